@@ -1,0 +1,260 @@
+"""Experts: L local copies of the user's expert module, run on the rows routed to each.
+
+Shape legend: N rows of the dispatch buffer, M model dim, H expert hidden dim, L local experts,
+C capacity.
+
+Any `nn.Module` works: it is deep-copied per local expert (DeepSpeed's behaviour) and called once per
+expert on that expert's rows. A plain MLP (Linear, elementwise activation, Linear) is instead held as
+stacked weights, weight1 [L, H, M], bias1 [L, H], weight2 [L, M, H], bias2 [L, M], and run without a
+module call per expert, in one of two layouts:
+
+- packed: rows sorted by expert with no padding; one matrix product per expert on its slice, so empty
+  capacity slots cost nothing. Forward and backward are one autograd function that writes every
+  product into preallocated outputs and applies the activation in place.
+- padded: the [L, C, M] capacity buffer, batched products (`baddbmm`); no host sync, suits GPUs.
+
+Both equal the per-module loop. State dicts load either way: a stacked layer accepts the per-expert
+keys of the loop form (and DeepSpeed's), and a loop layer accepts the stacked keys.
+"""
+
+import copy
+
+import torch
+from torch import nn
+
+from parallel import tag_expert_parameters
+
+__all__ = ["Experts"]
+
+# Elementwise activation modules the stacked path runs itself, by name.
+_ACTIVATIONS = {nn.ReLU: "relu", nn.GELU: "gelu", nn.SiLU: "silu", nn.Tanh: "tanh", nn.Sigmoid: "sigmoid"}
+_STACKED_KEYS = ("weight1", "bias1", "weight2", "bias2")
+_MODULE_KEYS = ((0, "weight"), (0, "bias"), (2, "weight"), (2, "bias"))  # the same tensors in Sequential form
+
+
+def _plain_mlp(expert: nn.Module):
+    """(linear1, activation name, gelu approximation, linear2) when `expert` is Linear-act-Linear, else None."""
+    if type(expert) is not nn.Sequential or len(expert) != 3:
+        return None
+    first, act, second = expert
+    if type(first) is not nn.Linear or type(second) is not nn.Linear or type(act) not in _ACTIVATIONS:
+        return None
+    if first.out_features != second.in_features or (first.bias is None) != (second.bias is None):
+        return None
+    approximate = getattr(act, "approximate", "none")
+    return first, _ACTIVATIONS[type(act)], approximate, second
+
+
+def _activate(name: str, approximate: str, h: torch.Tensor) -> torch.Tensor:
+    """Activation output; in place on h where the backward needs only the output."""
+    if name == "relu":
+        return h.clamp_min_(0)
+    if name == "tanh":
+        return h.tanh_()
+    if name == "sigmoid":
+        return h.sigmoid_()
+    if name == "gelu":
+        return torch.nn.functional.gelu(h, approximate=approximate)
+    return torch.nn.functional.silu(h)
+
+
+def _activation_backward(name: str, approximate: str, grad_a: torch.Tensor, h, a) -> torch.Tensor:
+    """Gradient through the activation, written into grad_a (elementwise, so aliasing is safe)."""
+    ops = torch.ops.aten
+    if name == "relu":
+        return ops.threshold_backward.grad_input(grad_a, a, 0, grad_input=grad_a)
+    if name == "tanh":
+        return ops.tanh_backward.grad_input(grad_a, a, grad_input=grad_a)
+    if name == "sigmoid":
+        return ops.sigmoid_backward.grad_input(grad_a, a, grad_input=grad_a)
+    if name == "gelu":
+        return ops.gelu_backward.grad_input(grad_a, h, approximate=approximate, grad_input=grad_a)
+    return ops.silu_backward.grad_input(grad_a, h, grad_input=grad_a)
+
+
+def _linear_into(out, x, weight, bias) -> None:
+    if bias is None:
+        torch.mm(x, weight.t(), out=out)
+    else:
+        torch.addmm(bias, x, weight.t(), out=out)
+
+
+class _PackedMLP(torch.autograd.Function):
+    """y = act(x W1^T + b1) W2^T + b2 per expert slice of the packed rows; a hand-written backward."""
+
+    @staticmethod
+    def forward(ctx, x_NM, weight1, bias1, weight2, bias2, counts, activation):
+        name, approximate = activation
+        N = x_NM.shape[0]
+        h_NH = x_NM.new_empty(N, weight1.shape[1])
+        y_NM = x_NM.new_empty(N, weight2.shape[1])
+        slices = _slices(counts)
+        for e, rows in slices:
+            _linear_into(h_NH[rows], x_NM[rows], weight1[e], None if bias1 is None else bias1[e])
+        a_NH = _activate(name, approximate, h_NH)
+        for e, rows in slices:
+            _linear_into(y_NM[rows], a_NH[rows], weight2[e], None if bias2 is None else bias2[e])
+        ctx.slices, ctx.activation, ctx.has_bias = slices, activation, bias1 is not None
+        ctx.save_for_backward(x_NM, weight1, weight2, h_NH, a_NH)
+        return y_NM
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_y_NM):
+        x_NM, weight1, weight2, h_NH, a_NH = ctx.saved_tensors
+        name, approximate = ctx.activation
+        grad_y_NM = grad_y_NM.contiguous()
+        grad_w1, grad_w2 = _grad_like(weight1, ctx.slices), _grad_like(weight2, ctx.slices)
+        grad_b1 = grad_b2 = None
+        if ctx.has_bias:
+            grad_b1 = _grad_like(weight1.new_empty(weight1.shape[:2]), ctx.slices)
+            grad_b2 = _grad_like(weight2.new_empty(weight2.shape[:2]), ctx.slices)
+        grad_a_NH = torch.empty_like(a_NH)
+        for e, rows in ctx.slices:
+            torch.mm(grad_y_NM[rows].t(), a_NH[rows], out=grad_w2[e])
+            torch.mm(grad_y_NM[rows], weight2[e], out=grad_a_NH[rows])
+            if grad_b2 is not None:
+                torch.sum(grad_y_NM[rows], 0, out=grad_b2[e])
+        grad_h_NH = _activation_backward(name, approximate, grad_a_NH, h_NH, a_NH)
+        grad_x_NM = torch.empty_like(x_NM)
+        for e, rows in ctx.slices:
+            torch.mm(grad_h_NH[rows].t(), x_NM[rows], out=grad_w1[e])
+            torch.mm(grad_h_NH[rows], weight1[e], out=grad_x_NM[rows])
+            if grad_b1 is not None:
+                torch.sum(grad_h_NH[rows], 0, out=grad_b1[e])
+        return grad_x_NM, grad_w1, grad_b1, grad_w2, grad_b2, None, None
+
+
+def _grad_like(param: torch.Tensor, slices) -> torch.Tensor:
+    """Uninitialised gradient for a stacked parameter, zeroed only for experts that got no rows."""
+    grad = torch.empty_like(param)
+    routed = torch.zeros(param.shape[0], dtype=torch.bool)
+    routed[[e for e, _ in slices]] = True
+    if not bool(routed.all()):
+        grad[(~routed).to(grad.device)] = 0
+    return grad
+
+
+def _slices(counts: list[int]) -> list[tuple[int, slice]]:
+    """(expert, row slice) for every expert with at least one row."""
+    out, start = [], 0
+    for e, count in enumerate(counts):
+        if count:
+            out.append((e, slice(start, start + count)))
+        start += count
+    return out
+
+
+class Experts(nn.Module):
+    """The local experts of one MoE layer.
+
+    Args:
+        expert: the expert module; deep-copied `num_local_experts` times.
+        num_local_experts: L.
+        expert_group_name: name of the expert-data-parallel group, set on every parameter as
+            `group_name` (with `allreduce = False`) so the optimizer can find them.
+        stacked: hold a plain MLP expert as stacked weights (True), as module copies (False), or
+            decide by the expert's type ("auto").
+    """
+
+    def __init__(self, expert: nn.Module, num_local_experts: int = 1, expert_group_name: str | None = None,
+                 stacked: bool | str = "auto"):
+        super().__init__()
+        if not isinstance(expert, nn.Module):
+            raise TypeError(f"expert must be an nn.Module, got {type(expert).__name__}")
+        if stacked not in (True, False, "auto"):
+            raise ValueError(f"stacked must be True, False or 'auto', got {stacked!r}")
+        mlp = _plain_mlp(expert)
+        if stacked is True and mlp is None:
+            raise ValueError(
+                f"stacked=True needs an nn.Sequential(Linear, activation, Linear) expert with an activation "
+                f"among {sorted(_ACTIVATIONS.values())}, got {type(expert).__name__}"
+            )
+        self.num_local_experts = num_local_experts
+        self.stacked = mlp is not None and stacked in (True, "auto")
+        if self.stacked:
+            first, self.activation, self.approximate, second = mlp
+            L = num_local_experts
+            self.weight1 = nn.Parameter(first.weight.detach().clone().unsqueeze(0).repeat(L, 1, 1))
+            self.weight2 = nn.Parameter(second.weight.detach().clone().unsqueeze(0).repeat(L, 1, 1))
+            has_bias = first.bias is not None
+            self.bias1 = nn.Parameter(first.bias.detach().clone().repeat(L, 1)) if has_bias else None
+            self.bias2 = nn.Parameter(second.bias.detach().clone().repeat(L, 1)) if has_bias else None
+        else:
+            self.deepspeed_experts = nn.ModuleList(copy.deepcopy(expert) for _ in range(num_local_experts))
+        if expert_group_name is not None:
+            tag_expert_parameters(self.parameters(), expert_group_name)
+        self._register_load_state_dict_pre_hook(self._convert_state_dict)
+
+    def forward(self, buffer_NM: torch.Tensor, counts: list[int] | None = None) -> torch.Tensor:
+        """Run every expert on its rows.
+
+        Args:
+            buffer_NM: rows sorted by expert, shape [N, M]: packed (N = sum(counts)) when counts is
+                given, else the padded capacity buffer (N = L * C).
+            counts: rows per local expert for the packed layout, a list of L ints.
+
+        Returns:
+            y_NM: the experts' outputs, shape [N, M_out].
+        """
+        if counts is None:
+            if buffer_NM.shape[0] % self.num_local_experts:
+                raise ValueError(
+                    f"the padded buffer's rows ({buffer_NM.shape[0]}) must be divisible by the number of local "
+                    f"experts ({self.num_local_experts})"
+                )
+            if self.stacked:
+                return self._padded(buffer_NM)
+            counts = [buffer_NM.shape[0] // self.num_local_experts] * self.num_local_experts
+        if len(counts) != self.num_local_experts or sum(counts) != buffer_NM.shape[0]:
+            raise ValueError(f"counts {counts} must have {self.num_local_experts} entries summing to {buffer_NM.shape[0]}")
+        if self.stacked:
+            return _PackedMLP.apply(
+                buffer_NM, self.weight1, self.bias1, self.weight2, self.bias2, counts,
+                (self.activation, self.approximate),
+            )
+        outputs = []
+        for expert, chunk in zip(self.deepspeed_experts, torch.split(buffer_NM, counts)):
+            out = expert(chunk)
+            outputs.append(out[0] if isinstance(out, tuple) else out)
+        return torch.cat(outputs)
+
+    def _padded(self, buffer_NM: torch.Tensor) -> torch.Tensor:
+        L = self.num_local_experts
+        x_LCM = buffer_NM.view(L, -1, buffer_NM.shape[1])
+        h = torch.bmm(x_LCM, self.weight1.transpose(1, 2))
+        if self.bias1 is not None:
+            h = h + self.bias1.unsqueeze(1)
+        a = _ACTIVATION_MODULES[self.activation](h, self.approximate)
+        y = torch.bmm(a, self.weight2.transpose(1, 2))
+        if self.bias2 is not None:
+            y = y + self.bias2.unsqueeze(1)
+        return y.reshape(-1, y.shape[2])
+
+    def _convert_state_dict(self, state_dict, prefix, *args):
+        """Accept the other layout's keys: per-expert module keys into stacked ones, or the reverse."""
+        if self.stacked and f"{prefix}deepspeed_experts.0.0.weight" in state_dict:
+            for key, (index, param) in zip(_STACKED_KEYS, _MODULE_KEYS):
+                parts = [state_dict.pop(f"{prefix}deepspeed_experts.{e}.{index}.{param}", None)
+                         for e in range(self.num_local_experts)]
+                if all(p is not None for p in parts):
+                    state_dict[prefix + key] = torch.stack(parts)
+        elif not self.stacked and f"{prefix}weight1" in state_dict:
+            for key, (index, param) in zip(_STACKED_KEYS, _MODULE_KEYS):
+                stacked = state_dict.pop(prefix + key, None)
+                if stacked is not None:
+                    for e in range(self.num_local_experts):
+                        state_dict[f"{prefix}deepspeed_experts.{e}.{index}.{param}"] = stacked[e]
+
+
+def _act_fn(name):
+    return {
+        "relu": lambda h, approximate: torch.relu(h),
+        "gelu": lambda h, approximate: torch.nn.functional.gelu(h, approximate=approximate),
+        "silu": lambda h, approximate: torch.nn.functional.silu(h),
+        "tanh": lambda h, approximate: torch.tanh(h),
+        "sigmoid": lambda h, approximate: torch.sigmoid(h),
+    }[name]
+
+
+_ACTIVATION_MODULES = {name: _act_fn(name) for name in ("relu", "gelu", "silu", "tanh", "sigmoid")}

@@ -1,0 +1,182 @@
+"""The MoE layer: DeepSpeed-MoE's `MoE` surface over index-based dispatch.
+
+Shape legend: S tokens, M model dim, E experts, L local experts, K choices per token, C capacity,
+N rows of the dispatch buffer.
+
+Forward, in stages:
+    1. route:    the gate (fp32) returns a Routing plan: expert, slot and weight per (token, choice).
+    2. rows:     each kept choice gets a row of the dispatch buffer, packed (rows sorted by expert, no
+                 padding) or padded (row = expert * C + slot, the [E, C, M] capacity buffer).
+    3. permute:  tokens are copied into their rows by index (never an [S, E, C] tensor).
+    4. experts:  each expert runs on its rows.
+    5. combine:  outputs return to their tokens by index, weighted, accumulated in fp32. Dropped
+                 choices contribute zeros; the residual connection is the model's business.
+"""
+
+import warnings
+
+import torch
+from torch import nn
+
+from kernels import permute, unpermute_combine
+from moe.experts import Experts
+from moe.gating import TopKGate
+from moe.routing import Routing
+
+__all__ = ["MoE", "MOELayer"]
+
+EXPERT_COMPUTE = ("auto", "packed", "padded")
+
+
+def _rows(routing: Routing, packed: bool) -> tuple[torch.Tensor, int, list[int] | None]:
+    """Buffer row per (token, choice), -1 where dropped; the row count; the rows per expert if packed."""
+    kept_SK = routing.kept_SK
+    expert_SK = routing.expert_idx_SK.clamp(min=0)
+    if not packed:
+        row_SK = expert_SK * routing.capacity + routing.slot_SK
+        return torch.where(kept_SK, row_SK, -1), routing.num_experts * routing.capacity, None
+    counts_E = routing.kept_counts()
+    offsets_E = torch.cumsum(counts_E, 0) - counts_E
+    row_SK = torch.where(kept_SK, offsets_E[expert_SK] + routing.slot_SK, -1)
+    counts = counts_E.tolist()  # the one host sync: slice sizes for the per-expert products
+    return row_SK, sum(counts), counts
+
+
+class MOELayer(nn.Module):
+    """Gate, dispatch, experts and combine for one process (DeepSpeed's `MOELayer`).
+
+    Args:
+        gate: the TopKGate.
+        experts: the Experts holding this process's experts.
+        ep_group_name: name of the expert-parallel group ("ep_size_<n>").
+        ep_size: expert-parallel size.
+        num_local_experts: L.
+        expert_compute: "packed", "padded" or "auto" (packed on CPU, where empty slots would cost
+            matrix-product time; padded elsewhere, where it avoids a host sync).
+    """
+
+    def __init__(self, gate: TopKGate, experts: Experts, ep_group_name: str, ep_size: int, num_local_experts: int,
+                 expert_compute: str = "auto"):
+        super().__init__()
+        if expert_compute not in EXPERT_COMPUTE:
+            raise ValueError(f"expert_compute must be one of {EXPERT_COMPUTE}, got {expert_compute!r}")
+        self.gate = gate
+        self.experts = experts
+        self.ep_group_name = ep_group_name
+        self.ep_size = ep_size
+        self.num_local_experts = num_local_experts
+        self.expert_compute = expert_compute
+        self.l_aux = self.exp_counts = self.z_loss = self.routing = None
+
+    def forward(self, x_SM: torch.Tensor, used_token: torch.Tensor | None = None) -> torch.Tensor:
+        routing = self.gate(x_SM, used_token)
+        packed = self.expert_compute == "packed" or (self.expert_compute == "auto" and x_SM.device.type == "cpu")
+        row_SK, num_rows, counts = _rows(routing, packed)
+        buffer_NM = permute(x_SM, row_SK, num_rows)
+        y_NM = self.experts(buffer_NM, counts)
+        out_SM = unpermute_combine(y_NM, row_SK, routing.weight_SK)
+        self.routing, self.l_aux, self.exp_counts, self.z_loss = routing, routing.l_aux, routing.exp_counts, routing.z_loss
+        return out_SM
+
+
+class MoE(nn.Module):
+    """A Mixture-of-Experts layer with DeepSpeed-MoE's constructor and forward contract.
+
+    Args:
+        hidden_size: M, the token width.
+        expert: the expert module (tokens [n, M] -> [n, M]); deep-copied per local expert. A plain
+            nn.Sequential(Linear, ReLU/GELU/SiLU/Tanh/Sigmoid, Linear) runs as stacked weights.
+        num_experts: E, experts in the layer (over all expert-parallel ranks).
+        ep_size: expert-parallel size; E must be divisible by it.
+        k: choices per token (1: top-1, 2: top-2, more: top-k).
+        capacity_factor: capacity factor in training.
+        eval_capacity_factor: capacity factor in eval mode.
+        min_capacity: the least number of slots per expert.
+        use_residual: Residual MoE: out = moe_out * c0 + mlp_out * c1 with c = softmax(Linear(M, 2)(x)).
+        noisy_gate_policy: None, "Jitter" or "RSample"; noise is applied in training only.
+        drop_tokens: drop choices beyond capacity; False makes capacity the largest expert count.
+        use_rts: random token selection over capacity (top-1, training only).
+        use_tutel: accepted for compatibility; dispatch here is always index based.
+        enable_expert_tensor_parallelism: must be False (expert tensor parallelism is not supported).
+        top2_2nd_expert_sampling: Gumbel-sample the second expert for top-2 (training only).
+        drop_policy: for k > 2, "probs" (keep the largest gates) or "position" (keep the first tokens).
+        expert_compute: "auto", "packed" or "padded"; see MOELayer.
+
+    After each forward, `z_loss` holds the router z-loss (ST-MoE) of that forward, and
+    `deepspeed_moe.routing` the full Routing plan.
+    """
+
+    def __init__(
+        self, hidden_size: int, expert: nn.Module, num_experts: int = 1, ep_size: int = 1, k: int = 1,
+        capacity_factor: float = 1.0, eval_capacity_factor: float = 1.0, min_capacity: int = 4,
+        use_residual: bool = False, noisy_gate_policy: str | None = None, drop_tokens: bool = True,
+        use_rts: bool = True, use_tutel: bool = False, enable_expert_tensor_parallelism: bool = False,
+        top2_2nd_expert_sampling: bool = True, *, drop_policy: str = "probs", expert_compute: str = "auto",
+    ):
+        super().__init__()
+        if isinstance(ep_size, bool) or not isinstance(ep_size, int) or ep_size < 1:
+            raise ValueError(f"ep_size must be an int >= 1, got {ep_size!r}")
+        if isinstance(num_experts, int) and num_experts % ep_size:
+            raise ValueError(f"num_experts ({num_experts}) must be divisible by ep_size ({ep_size})")
+        if ep_size > 1:
+            raise ValueError(
+                f"ep_size ({ep_size}) > 1 needs expert parallelism, which this version does not have yet; use ep_size=1"
+            )
+        if enable_expert_tensor_parallelism:
+            raise ValueError("enable_expert_tensor_parallelism=True is not supported; use False")
+        if use_tutel:
+            warnings.warn("use_tutel has no effect: dispatch is always index based", stacklevel=2)
+        gate = TopKGate(
+            hidden_size, num_experts, k, capacity_factor, eval_capacity_factor, min_capacity,
+            noisy_gate_policy, drop_tokens, use_rts, None, top2_2nd_expert_sampling, drop_policy,
+        )
+        self.hidden_size = hidden_size
+        self.num_experts = num_experts
+        self.ep_size = ep_size
+        self.num_local_experts = num_experts // ep_size
+        self.expert_group_name = f"ep_size_{ep_size}"
+        self.use_residual = use_residual
+        self.enable_expert_tensor_parallelism = enable_expert_tensor_parallelism
+        experts = Experts(expert, self.num_local_experts, self.expert_group_name)
+        self.deepspeed_moe = MOELayer(
+            gate, experts, self.expert_group_name, ep_size, self.num_local_experts, expert_compute
+        )
+        if use_residual:
+            self.mlp = expert
+            self.coefficient = nn.Linear(hidden_size, 2)
+
+    @property
+    def z_loss(self) -> torch.Tensor | None:
+        return self.deepspeed_moe.z_loss
+
+    def forward(
+        self, hidden_states: torch.Tensor, used_token: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Route, run and combine.
+
+        Args:
+            hidden_states: tokens of any leading shape, [..., M].
+            used_token: optional mask with one entry per token ([...]); tokens where it is 0 are not routed.
+
+        Returns:
+            output: shaped like hidden_states.
+            l_aux: the load-balancing loss, an fp32 scalar.
+            exp_counts: int64 choices per expert before dropping, shape [E].
+
+        Raises:
+            ValueError: if the last dimension is not hidden_size, or as the gate raises.
+        """
+        if hidden_states.dim() < 1 or hidden_states.shape[-1] != self.hidden_size:
+            raise ValueError(
+                f"hidden_states must have shape [..., {self.hidden_size}], got {list(hidden_states.shape)}"
+            )
+        x_SM = hidden_states.reshape(-1, self.hidden_size)
+        out_SM = self.deepspeed_moe(x_SM, used_token)
+        output = out_SM.view(hidden_states.shape)
+        if self.use_residual:
+            output_mlp = self.mlp(hidden_states)
+            if isinstance(output_mlp, tuple):
+                output_mlp = output_mlp[0]
+            coef = torch.softmax(self.coefficient(hidden_states), dim=-1)
+            output = output * coef[..., 0:1] + output_mlp * coef[..., 1:]
+        return output, self.deepspeed_moe.l_aux, self.deepspeed_moe.exp_counts

@@ -1,0 +1,108 @@
+"""The routing plan a gate returns, and the slot assignment every gating policy shares.
+
+Shape legend: S tokens, E experts, K choices per token, C capacity, P = S * K choices in fill order.
+
+A plan says, per token and choice, which expert it goes to (-1 when dropped), which slot of that
+expert's capacity buffer it takes, and its combine weight. Kept choices of one expert always take
+slots 0, 1, 2, ... in fill order, so the plan never needs an [S, E, C] tensor; `Routing.dense()`
+builds DeepSpeed's dense form only for tests and interop.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["Routing", "assign_slots"]
+
+
+@dataclass(frozen=True, eq=False)
+class Routing:
+    """Where each token's choices go.
+
+    Args:
+        expert_idx_SK: int64 expert per (token, choice), shape [S, K], -1 where dropped.
+        slot_SK: int64 slot inside that expert's capacity buffer, shape [S, K], -1 where dropped.
+        weight_SK: fp32 combine weight, shape [S, K], 0 where dropped; differentiable to the logits.
+        capacity: C, slots per expert.
+        num_experts: E.
+        l_aux: the load-balancing loss, a scalar.
+        exp_counts: int64 choices per expert before dropping, shape [E].
+        z_loss: the router z-loss mean(logsumexp(logits)^2) (ST-MoE), a scalar.
+    """
+
+    expert_idx_SK: torch.Tensor
+    slot_SK: torch.Tensor
+    weight_SK: torch.Tensor
+    capacity: int
+    num_experts: int
+    l_aux: torch.Tensor
+    exp_counts: torch.Tensor
+    z_loss: torch.Tensor
+
+    @property
+    def kept_SK(self) -> torch.Tensor:
+        return self.expert_idx_SK >= 0
+
+    def kept_counts(self) -> torch.Tensor:
+        """int64 kept choices per expert after dropping, shape [E]."""
+        kept = self.expert_idx_SK[self.kept_SK]
+        return torch.bincount(kept, minlength=self.num_experts)
+
+    def dense(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """DeepSpeed's dense form, for tests and interop only: it allocates [S, E, C].
+
+        Returns:
+            combine_weights: fp32, shape [S, E, C], the weight at (token, expert, slot).
+            dispatch_mask: bool, shape [S, E, C], True where a choice was kept.
+        """
+        S, K = self.expert_idx_SK.shape
+        kept = self.kept_SK
+        token = torch.arange(S, device=kept.device).unsqueeze(1).expand(S, K)[kept]
+        index = (token, self.expert_idx_SK[kept], self.slot_SK[kept])
+        shape = (S, self.num_experts, self.capacity)
+        combine = torch.zeros(shape, dtype=torch.float32, device=kept.device)
+        combine = combine.index_put(index, self.weight_SK[kept].float())
+        mask = torch.zeros(shape, dtype=torch.bool, device=kept.device)
+        mask[index] = True
+        return combine, mask
+
+
+def _positions(bucket_P: torch.Tensor, order_P: torch.Tensor, num_buckets: int) -> torch.Tensor:
+    """Rank of each choice inside its bucket when the choices are visited in `order_P`."""
+    counts = torch.bincount(bucket_P, minlength=num_buckets)
+    starts = torch.cumsum(counts, 0) - counts
+    ranks_sorted = torch.arange(bucket_P.numel(), device=bucket_P.device) - starts[bucket_P[order_P]]
+    ranks = torch.empty_like(ranks_sorted)
+    ranks[order_P] = ranks_sorted
+    return ranks
+
+
+def assign_slots(
+    expert_P: torch.Tensor, num_experts: int, capacity: int, priority_P: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Give each choice a slot in its expert's buffer, dropping what does not fit.
+
+    Without a priority, an expert keeps its first `capacity` choices in fill order. With one, it keeps
+    the `capacity` choices of highest priority (ties: earlier in fill order). Either way the kept
+    choices take slots 0, 1, ... in fill order.
+
+    Args:
+        expert_P: int64 expert per choice, in fill order, shape [P]; -1 for choices routed nowhere.
+        num_experts: E.
+        capacity: C.
+        priority_P: optional float priority per choice, shape [P].
+
+    Returns:
+        slot_P: int64, shape [P], -1 for dropped choices.
+    """
+    routed = expert_P >= 0
+    bucket_P = torch.where(routed, expert_P, num_experts)  # choices routed nowhere share one extra bucket
+    if priority_P is not None:
+        by_priority = torch.argsort(priority_P, descending=True, stable=True)
+        order = by_priority[torch.argsort(bucket_P[by_priority], stable=True)]
+        kept = routed & (_positions(bucket_P, order, num_experts + 1) < capacity)
+        bucket_P = torch.where(kept, expert_P, num_experts)
+    order = torch.argsort(bucket_P, stable=True)
+    slot_P = _positions(bucket_P, order, num_experts + 1)
+    kept = (bucket_P < num_experts) & (slot_P < capacity)
+    return torch.where(kept, slot_P, -1)

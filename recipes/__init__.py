@@ -1,0 +1,1 @@
+"""Runnable training scripts and benchmarks; nothing imports this package."""
