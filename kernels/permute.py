@@ -11,6 +11,8 @@ unit weights. No atomics anywhere, so results are deterministic.
 
 import torch
 
+from kernels import workspace
+
 __all__ = ["permute", "permute_reference"]
 
 
@@ -60,7 +62,7 @@ def _gather_rows(x_SM: torch.Tensor, token_N: torch.Tensor, scale_N: torch.Tenso
     """buffer[n] = scale[n] * x[token[n]], zero where token[n] == -1; one index_select when all rows are used."""
     filled_N = token_N >= 0
     if bool(filled_N.all()):
-        buffer_NM = x_SM.index_select(0, token_N)
+        buffer_NM = torch.index_select(x_SM, 0, token_N, out=workspace.empty((token_N.shape[0], x_SM.shape[1]), x_SM.dtype, x_SM.device))
         if scale_N is not None:
             buffer_NM.mul_(scale_N.to(buffer_NM.dtype).unsqueeze(1))
         return buffer_NM

@@ -10,6 +10,7 @@ atomics, so results are deterministic.
 
 import torch
 
+from kernels import workspace
 from kernels.permute import _check, _gather_rows, _source_tokens
 
 __all__ = ["unpermute_combine", "unpermute_combine_reference"]
@@ -54,21 +55,18 @@ def _combine_rows(buffer_NM: torch.Tensor, row_SK: torch.Tensor, weight_SK: torc
     kept_SK = row_SK >= 0
     rows_SK = row_SK.clamp(min=0)
     w_SK = torch.where(kept_SK, weight_SK, torch.zeros_like(weight_SK)).to(acc_dtype)
-    out_SM = buffer_NM.index_select(0, rows_SK[:, 0]).to(acc_dtype)
+    shape = (S, buffer_NM.shape[1])
+    out_SM = _select(buffer_NM, rows_SK[:, 0], workspace.empty(shape, buffer_NM.dtype, buffer_NM.device)).to(acc_dtype)
     out_SM.mul_(w_SK[:, :1])
-    for j in range(1, K):
-        out_SM.addcmul_(buffer_NM.index_select(0, rows_SK[:, j]).to(acc_dtype), w_SK[:, j : j + 1])
+    if K > 1:
+        rows_SM = workspace.empty(shape, buffer_NM.dtype, buffer_NM.device)
+        for j in range(1, K):
+            out_SM.addcmul_(_select(buffer_NM, rows_SK[:, j], rows_SM).to(acc_dtype), w_SK[:, j : j + 1])
     return out_SM.to(buffer_NM.dtype)
 
 
-def _row_dots(grad_SM: torch.Tensor, buffer_NM: torch.Tensor, row_SK: torch.Tensor) -> torch.Tensor:
-    """grad_weight[s, j] = <grad_out[s], buffer[row[s, j]]> in fp32, zero for dropped choices."""
-    kept_SK = row_SK >= 0
-    rows_SK = row_SK.clamp(min=0)
-    g_SM = grad_SM.float()
-    cols = [(buffer_NM.index_select(0, rows_SK[:, j]).float() * g_SM).sum(1) for j in range(row_SK.shape[1])]
-    dots_SK = torch.stack(cols, 1) if cols else g_SM.new_zeros(row_SK.shape)
-    return dots_SK.masked_fill_(~kept_SK, 0.0)
+def _select(buffer_NM, rows, out):
+    return torch.index_select(buffer_NM, 0, rows, out=out)
 
 
 class _UnpermuteCombine(torch.autograd.Function):
@@ -79,17 +77,23 @@ class _UnpermuteCombine(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_SM):
+        # 1. gather each row's token gradient into buffer order: g_NM[n] = grad_out[token(n)]
+        # 2. weight gradient per row: <g_NM[n], buffer[n]> (fp32), scattered back to (token, choice)
+        # 3. buffer gradient: g_NM[n] * weight(n), in place
         buffer_NM, row_SK, weight_SK = ctx.saved_tensors
-        grad_buffer = grad_weight = None
-        if ctx.needs_input_grad[0]:
-            token_N = _source_tokens(row_SK, buffer_NM.shape[0])
-            w_P = torch.where(row_SK >= 0, weight_SK, torch.zeros_like(weight_SK)).reshape(-1).float()
-            scale_N = torch.zeros(buffer_NM.shape[0], dtype=torch.float32, device=w_P.device)
-            rows_P = row_SK.reshape(-1)
-            scale_N[rows_P[rows_P >= 0]] = w_P[rows_P >= 0]
-            grad_buffer = _gather_rows(grad_SM.to(buffer_NM.dtype), token_N, scale_N)
+        rows_P = row_SK.reshape(-1)
+        kept_P = rows_P >= 0
+        token_N = _source_tokens(row_SK, buffer_NM.shape[0])
+        g_NM = _gather_rows(grad_SM.to(buffer_NM.dtype), token_N, None)
+        grad_weight = None
         if ctx.needs_input_grad[2]:
-            grad_weight = _row_dots(grad_SM, buffer_NM, row_SK).to(weight_SK.dtype)
+            dots_N = torch.bmm(g_NM.float().unsqueeze(1), buffer_NM.float().unsqueeze(2)).view(-1)  # no [N, M] temporary
+            grad_P = torch.zeros(rows_P.shape, dtype=torch.float32, device=rows_P.device)
+            grad_P[kept_P] = dots_N[rows_P[kept_P]]
+            grad_weight = grad_P.view(row_SK.shape).to(weight_SK.dtype)
+        scale_N = torch.zeros(buffer_NM.shape[0], dtype=torch.float32, device=rows_P.device)
+        scale_N[rows_P[kept_P]] = weight_SK.reshape(-1)[kept_P].float()
+        grad_buffer = g_NM.mul_(scale_N.to(g_NM.dtype).unsqueeze(1)) if ctx.needs_input_grad[0] else None
         return grad_buffer, None, grad_weight
 
 

@@ -8,9 +8,8 @@ expert on that expert's rows. A plain MLP (Linear, elementwise activation, Linea
 stacked weights, weight1 [L, H, M], bias1 [L, H], weight2 [L, M, H], bias2 [L, M], and run without a
 module call per expert, in one of two layouts:
 
-- packed: rows sorted by expert with no padding; one matrix product per expert on its slice, so empty
-  capacity slots cost nothing. Forward and backward are one autograd function that writes every
-  product into preallocated outputs and applies the activation in place.
+- packed: rows sorted by expert with no padding; products per expert on its slice, so empty capacity
+  slots cost nothing (`moe.grouped_mlp`).
 - padded: the [L, C, M] capacity buffer, batched products (`baddbmm`); no host sync, suits GPUs.
 
 Both equal the per-module loop. State dicts load either way: a stacked layer accepts the per-expert
@@ -22,12 +21,20 @@ import copy
 import torch
 from torch import nn
 
+from moe.grouped_mlp import grouped_mlp
 from parallel import tag_expert_parameters
 
 __all__ = ["Experts"]
 
 # Elementwise activation modules the stacked path runs itself, by name.
 _ACTIVATIONS = {nn.ReLU: "relu", nn.GELU: "gelu", nn.SiLU: "silu", nn.Tanh: "tanh", nn.Sigmoid: "sigmoid"}
+_ACTIVATION_FUNCTIONS = {
+    "relu": lambda h, approximate: torch.relu(h),
+    "gelu": lambda h, approximate: torch.nn.functional.gelu(h, approximate=approximate),
+    "silu": lambda h, approximate: torch.nn.functional.silu(h),
+    "tanh": lambda h, approximate: torch.tanh(h),
+    "sigmoid": lambda h, approximate: torch.sigmoid(h),
+}
 _STACKED_KEYS = ("weight1", "bias1", "weight2", "bias2")
 _MODULE_KEYS = ((0, "weight"), (0, "bias"), (2, "weight"), (2, "bias"))  # the same tensors in Sequential form
 
@@ -43,106 +50,6 @@ def _plain_mlp(expert: nn.Module):
         return None
     approximate = getattr(act, "approximate", "none")
     return first, _ACTIVATIONS[type(act)], approximate, second
-
-
-def _activate(name: str, approximate: str, h: torch.Tensor) -> torch.Tensor:
-    """Activation output; in place on h where the backward needs only the output."""
-    if name == "relu":
-        return h.clamp_min_(0)
-    if name == "tanh":
-        return h.tanh_()
-    if name == "sigmoid":
-        return h.sigmoid_()
-    if name == "gelu":
-        return torch.nn.functional.gelu(h, approximate=approximate)
-    return torch.nn.functional.silu(h)
-
-
-def _activation_backward(name: str, approximate: str, grad_a: torch.Tensor, h, a) -> torch.Tensor:
-    """Gradient through the activation, written into grad_a (elementwise, so aliasing is safe)."""
-    ops = torch.ops.aten
-    if name == "relu":
-        return ops.threshold_backward.grad_input(grad_a, a, 0, grad_input=grad_a)
-    if name == "tanh":
-        return ops.tanh_backward.grad_input(grad_a, a, grad_input=grad_a)
-    if name == "sigmoid":
-        return ops.sigmoid_backward.grad_input(grad_a, a, grad_input=grad_a)
-    if name == "gelu":
-        return ops.gelu_backward.grad_input(grad_a, h, approximate=approximate, grad_input=grad_a)
-    return ops.silu_backward.grad_input(grad_a, h, grad_input=grad_a)
-
-
-def _linear_into(out, x, weight, bias) -> None:
-    if bias is None:
-        torch.mm(x, weight.t(), out=out)
-    else:
-        torch.addmm(bias, x, weight.t(), out=out)
-
-
-class _PackedMLP(torch.autograd.Function):
-    """y = act(x W1^T + b1) W2^T + b2 per expert slice of the packed rows; a hand-written backward."""
-
-    @staticmethod
-    def forward(ctx, x_NM, weight1, bias1, weight2, bias2, counts, activation):
-        name, approximate = activation
-        N = x_NM.shape[0]
-        h_NH = x_NM.new_empty(N, weight1.shape[1])
-        y_NM = x_NM.new_empty(N, weight2.shape[1])
-        slices = _slices(counts)
-        for e, rows in slices:
-            _linear_into(h_NH[rows], x_NM[rows], weight1[e], None if bias1 is None else bias1[e])
-        a_NH = _activate(name, approximate, h_NH)
-        for e, rows in slices:
-            _linear_into(y_NM[rows], a_NH[rows], weight2[e], None if bias2 is None else bias2[e])
-        ctx.slices, ctx.activation, ctx.has_bias = slices, activation, bias1 is not None
-        ctx.save_for_backward(x_NM, weight1, weight2, h_NH, a_NH)
-        return y_NM
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_y_NM):
-        x_NM, weight1, weight2, h_NH, a_NH = ctx.saved_tensors
-        name, approximate = ctx.activation
-        grad_y_NM = grad_y_NM.contiguous()
-        grad_w1, grad_w2 = _grad_like(weight1, ctx.slices), _grad_like(weight2, ctx.slices)
-        grad_b1 = grad_b2 = None
-        if ctx.has_bias:
-            grad_b1 = _grad_like(weight1.new_empty(weight1.shape[:2]), ctx.slices)
-            grad_b2 = _grad_like(weight2.new_empty(weight2.shape[:2]), ctx.slices)
-        grad_a_NH = torch.empty_like(a_NH)
-        for e, rows in ctx.slices:
-            torch.mm(grad_y_NM[rows].t(), a_NH[rows], out=grad_w2[e])
-            torch.mm(grad_y_NM[rows], weight2[e], out=grad_a_NH[rows])
-            if grad_b2 is not None:
-                torch.sum(grad_y_NM[rows], 0, out=grad_b2[e])
-        grad_h_NH = _activation_backward(name, approximate, grad_a_NH, h_NH, a_NH)
-        grad_x_NM = torch.empty_like(x_NM)
-        for e, rows in ctx.slices:
-            torch.mm(grad_h_NH[rows].t(), x_NM[rows], out=grad_w1[e])
-            torch.mm(grad_h_NH[rows], weight1[e], out=grad_x_NM[rows])
-            if grad_b1 is not None:
-                torch.sum(grad_h_NH[rows], 0, out=grad_b1[e])
-        return grad_x_NM, grad_w1, grad_b1, grad_w2, grad_b2, None, None
-
-
-def _grad_like(param: torch.Tensor, slices) -> torch.Tensor:
-    """Uninitialised gradient for a stacked parameter, zeroed only for experts that got no rows."""
-    grad = torch.empty_like(param)
-    routed = torch.zeros(param.shape[0], dtype=torch.bool)
-    routed[[e for e, _ in slices]] = True
-    if not bool(routed.all()):
-        grad[(~routed).to(grad.device)] = 0
-    return grad
-
-
-def _slices(counts: list[int]) -> list[tuple[int, slice]]:
-    """(expert, row slice) for every expert with at least one row."""
-    out, start = [], 0
-    for e, count in enumerate(counts):
-        if count:
-            out.append((e, slice(start, start + count)))
-        start += count
-    return out
 
 
 class Experts(nn.Module):
@@ -209,9 +116,8 @@ class Experts(nn.Module):
         if len(counts) != self.num_local_experts or sum(counts) != buffer_NM.shape[0]:
             raise ValueError(f"counts {counts} must have {self.num_local_experts} entries summing to {buffer_NM.shape[0]}")
         if self.stacked:
-            return _PackedMLP.apply(
-                buffer_NM, self.weight1, self.bias1, self.weight2, self.bias2, counts,
-                (self.activation, self.approximate),
+            return grouped_mlp(
+                buffer_NM, self.weight1, self.bias1, self.weight2, self.bias2, counts, self.activation, self.approximate
             )
         outputs = []
         for expert, chunk in zip(self.deepspeed_experts, torch.split(buffer_NM, counts)):
@@ -225,7 +131,7 @@ class Experts(nn.Module):
         h = torch.bmm(x_LCM, self.weight1.transpose(1, 2))
         if self.bias1 is not None:
             h = h + self.bias1.unsqueeze(1)
-        a = _ACTIVATION_MODULES[self.activation](h, self.approximate)
+        a = _ACTIVATION_FUNCTIONS[self.activation](h, self.approximate)
         y = torch.bmm(a, self.weight2.transpose(1, 2))
         if self.bias2 is not None:
             y = y + self.bias2.unsqueeze(1)
@@ -245,16 +151,3 @@ class Experts(nn.Module):
                 if stacked is not None:
                     for e in range(self.num_local_experts):
                         state_dict[f"{prefix}deepspeed_experts.{e}.{index}.{param}"] = stacked[e]
-
-
-def _act_fn(name):
-    return {
-        "relu": lambda h, approximate: torch.relu(h),
-        "gelu": lambda h, approximate: torch.nn.functional.gelu(h, approximate=approximate),
-        "silu": lambda h, approximate: torch.nn.functional.silu(h),
-        "tanh": lambda h, approximate: torch.tanh(h),
-        "sigmoid": lambda h, approximate: torch.sigmoid(h),
-    }[name]
-
-
-_ACTIVATION_MODULES = {name: _act_fn(name) for name in ("relu", "gelu", "silu", "tanh", "sigmoid")}

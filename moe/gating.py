@@ -2,7 +2,8 @@
 
 Shape legend: S tokens, E experts, K choices per token, C capacity, M model dim.
 
-Everything here computes in fp32 whatever the model dtype. Semantics follow DeepSpeed-MoE:
+Everything here computes in fp32 whatever the model dtype (float64 inputs stay float64, for gradient
+checks). Semantics follow DeepSpeed-MoE:
 capacity C = max(ceil(S / E * capacity_factor * k), min_capacity); with drop_tokens=False, C is the
 largest per-expert count (max-reduced over the expert-parallel group) and nothing is dropped. Where
 DeepSpeed leaves an order open (ties, which tokens keep their slot), ours is first-come by token index.
@@ -24,13 +25,18 @@ DROP_POLICIES = ("probs", "position")
 JITTER_EPS = 1e-2
 
 
+def _gate_dtype(dtype: torch.dtype) -> torch.dtype:
+    """fp32 for every model dtype; float64 stays float64 (gradient checks)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 def _check_logits(logits: torch.Tensor, k: int) -> torch.Tensor:
     if logits.dim() != 2:
         raise ValueError(f"logits must have shape [S, E], got {list(logits.shape)}")
     num_experts = logits.shape[1]
     if not 1 <= k <= num_experts:
         raise ValueError(f"k ({k}) must be between 1 and num_experts ({num_experts})")
-    logits = logits.float()
+    logits = logits.to(_gate_dtype(logits.dtype))
     if not bool(torch.isfinite(logits).all()):
         raise ValueError("logits contain non-finite values (inf or nan); check the gate input")
     return logits
@@ -80,7 +86,7 @@ def _counts(expert: torch.Tensor, num_experts: int) -> torch.Tensor:
 def _balance_loss(gates_SE: torch.Tensor, counts_E: torch.Tensor, k: int) -> torch.Tensor:
     """l_aux = E * sum_e mean_s(gates[s, e]) * frac_e, frac_e = counts_e / (S * k)."""
     num_tokens, num_experts = gates_SE.shape
-    frac_E = counts_E.float() / max(num_tokens * k, 1)
+    frac_E = counts_E.to(gates_SE.dtype) / max(num_tokens * k, 1)
     return num_experts * torch.sum(gates_SE.mean(0) * frac_E)
 
 
@@ -279,7 +285,7 @@ class TopKGateConfig:
 
 
 class TopKGate(torch.nn.Module):
-    """The router: a bias-free fp32 linear map to expert logits, then a gating policy.
+    """The router: a bias-free linear map to expert logits, computed in fp32, then a gating policy.
 
     In eval mode the gate uses eval_capacity_factor and turns every noise off (Jitter, RSample,
     second-expert sampling and random token selection), so eval routing is deterministic.
@@ -311,17 +317,17 @@ class TopKGate(torch.nn.Module):
         """Route tokens.
 
         Args:
-            x_SM: tokens, shape [S, M], any float dtype (the gate computes in fp32).
+            x_SM: tokens, shape [S, M], any float dtype (the gate computes in fp32, or float64 for float64).
             used_token: optional [S] mask of tokens to route.
 
         Returns:
             the Routing plan.
         """
         cfg = self.config
-        x_SM = x_SM.float()
+        x_SM = x_SM.to(_gate_dtype(x_SM.dtype))
         if self.training and cfg.noisy_gate_policy == "Jitter":
             x_SM = x_SM * torch.empty_like(x_SM).uniform_(1.0 - JITTER_EPS, 1.0 + JITTER_EPS)
-        logits = F.linear(x_SM, self.wg.weight.float())
+        logits = F.linear(x_SM, self.wg.weight.to(x_SM.dtype))
         capacity_factor = cfg.capacity_factor if self.training else cfg.eval_capacity_factor
         if cfg.k == 1:
             return top1gating(

@@ -1,0 +1,227 @@
+"""Benchmark one MoE layer: forward+backward time, tokens/s, peak memory, and the experts' matmuls alone.
+
+    python -m recipes.bench_moe --tokens 8192 --hidden 512 --ffn 2048 --experts 16 --k 2 \
+        --capacity-factor 1.25 --dtype fp32
+
+Prints, for this project's layer (and DeepSpeed's MoE layer side by side when `deepspeed` is
+importable and --deepspeed is not "off"): ms per step (median), tokens/s, peak memory of a step (GPU:
+allocated bytes; CPU: growth of resident memory during the step, so memory kept from earlier steps,
+such as the CPU workspace, does not count),
+and the time of the experts' matrix products alone on the rows each layer actually multiplies
+(routed tokens for ours, the full capacity buffer for DeepSpeed) with the same product each layer
+uses (oneDNN for ours on a CPU, F.linear for DeepSpeed), and that time as a share of the layer's step.
+"""
+
+import argparse
+import math
+import os
+import statistics
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from moe import MoE
+from moe.grouped_mlp import _is_bulk, _slices, linear
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+ACTIVATIONS = {"gelu": nn.GELU, "relu": nn.ReLU, "silu": nn.SiLU}
+
+
+@dataclass(kw_only=True)
+class BenchConfig:
+    tokens: int = 8192
+    hidden: int = 512
+    ffn: int = 2048
+    experts: int = 16
+    k: int = 2
+    capacity_factor: float = 1.25
+    dtype: str = "fp32"
+    activation: str = "gelu"
+    steps: int = 7
+    warmup: int = 5
+    seed: int = 0
+    deepspeed: str = "auto"
+    device: str = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+class _PeakRSS:
+    """Peak resident memory above the starting point, sampled every millisecond (CPU runs)."""
+
+    def __enter__(self):
+        self.start = self.peak = _rss()
+        self.running = True
+        self.thread = threading.Thread(target=self._sample, daemon=True)
+        self.thread.start()
+        return self
+
+    def _sample(self):
+        while self.running:
+            self.peak = max(self.peak, _rss())
+            time.sleep(0.001)
+
+    def __exit__(self, *exc):
+        self.running = False
+        self.thread.join()
+        self.peak = max(self.peak, _rss())
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def layer_step(layer: nn.Module, x: torch.Tensor):
+    """One forward+backward of the layer (output and l_aux), gradients set to None first."""
+    grad_out = torch.randn_like(x)
+
+    def step():
+        layer.zero_grad(set_to_none=True)
+        out, l_aux, _ = layer(x)
+        torch.autograd.backward([out, l_aux], [grad_out, torch.ones_like(l_aux)])
+
+    return step
+
+
+def peak_memory(step, device) -> int:
+    """Peak memory of one step: allocated bytes on a GPU, resident growth on a CPU."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+        step()
+        return torch.cuda.max_memory_allocated()
+    with _PeakRSS() as rss:  # measured apart: the sampling thread would disturb timed steps
+        step()
+    return rss.peak - rss.start
+
+
+def time_interleaved(steps: dict, cfg: BenchConfig, device) -> dict:
+    """Median ms of each step function, timed in rounds (one call of each per round) to share drift."""
+    times = {name: [] for name in steps}
+    for index in range(cfg.warmup + cfg.steps):
+        for name, step in steps.items():
+            _sync(device)
+            t0 = time.perf_counter()
+            step()
+            _sync(device)
+            if index >= cfg.warmup:
+                times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(values) * 1e3 for name, values in times.items()}
+
+
+def expert_matmuls(counts: list[int], cfg: BenchConfig, device, product):
+    """The six products per expert of a Linear-act-Linear forward+backward, alone, through `product`."""
+    dtype = DTYPES[cfg.dtype]
+    M, H = cfg.hidden, cfg.ffn
+    N = sum(counts)
+    x, gy = (torch.randn(N, M, device=device, dtype=dtype) for _ in range(2))
+    h, gh = (torch.randn(N, H, device=device, dtype=dtype) for _ in range(2))
+    w1 = torch.randn(len(counts), H, M, device=device, dtype=dtype)
+    w2 = torch.randn(len(counts), M, H, device=device, dtype=dtype)
+    pieces = _slices(counts) if product is linear else _whole(counts)
+
+    def run():
+        for e, rows in pieces:
+            fast = _is_bulk(rows)
+            product(x[rows], w1[e], None, fast)  # forward: x W1^T, a W2^T
+            product(h[rows], w2[e], None, fast)
+            product(gy[rows].t(), h[rows].t(), None, fast)  # backward: weight and input gradients of both
+            product(gy[rows], w2[e].t(), None, fast)
+            product(gh[rows].t(), x[rows].t(), None, fast)
+            product(gh[rows], w1[e].t(), None, fast)
+
+    return run
+
+
+def _whole(counts: list[int]) -> list[tuple[int, slice]]:
+    bounds, start = [], 0
+    for e, count in enumerate(counts):
+        bounds.append((e, slice(start, start + count)))
+        start += count
+    return bounds
+
+
+def _plain_linear(x, weight, bias, fast):
+    return nn.functional.linear(x, weight, bias)
+
+
+def make_expert(cfg: BenchConfig) -> nn.Module:
+    return nn.Sequential(nn.Linear(cfg.hidden, cfg.ffn), ACTIVATIONS[cfg.activation](), nn.Linear(cfg.ffn, cfg.hidden))
+
+
+def deepspeed_layer(cfg: BenchConfig, expert: nn.Module):
+    """DeepSpeed's MoE layer on the same config, or None when deepspeed is not importable."""
+    try:
+        import deepspeed  # optional: only for side-by-side figures
+        from deepspeed.moe.layer import MoE as DeepSpeedMoE
+    except ImportError:
+        return None
+    for key, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29533"), ("RANK", "0"), ("WORLD_SIZE", "1"),
+                       ("LOCAL_RANK", "0")):
+        os.environ.setdefault(key, value)
+    deepspeed.init_distributed(dist_backend="gloo")
+    layer = DeepSpeedMoE(cfg.hidden, expert, num_experts=cfg.experts, k=cfg.k, capacity_factor=cfg.capacity_factor,
+                         min_capacity=4)
+    layer.set_deepspeed_parallelism()
+    return layer
+
+
+def _report(name: str, ms: float, peak: int, matmul_ms: float, rows: int, cfg: BenchConfig) -> None:
+    print(
+        f"{name:<10} {ms:9.1f} ms/step {cfg.tokens / ms * 1e3:10.0f} tokens/s  peak {peak / 2**20:8.1f} MiB"
+        f"  expert matmuls alone {matmul_ms:8.1f} ms on {rows} rows = {100 * matmul_ms / ms:5.1f}% of the step"
+    )
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    for field, default in BenchConfig.__dataclass_fields__.items():
+        flag = "--" + field.replace("_", "-")
+        parser.add_argument(flag, type=type(default.default), default=default.default)
+    cfg = BenchConfig(**vars(parser.parse_args(argv)))
+    if cfg.dtype not in DTYPES or cfg.activation not in ACTIVATIONS or cfg.deepspeed not in ("auto", "on", "off"):
+        parser.error(f"--dtype must be in {list(DTYPES)}, --activation in {list(ACTIVATIONS)}, --deepspeed auto|on|off")
+    print(cfg, f"threads={torch.get_num_threads()}")
+    device, dtype = torch.device(cfg.device), DTYPES[cfg.dtype]
+    torch.manual_seed(cfg.seed)
+    expert = make_expert(cfg)
+    x = torch.randn(cfg.tokens, cfg.hidden, device=device, dtype=dtype)
+    ours = MoE(cfg.hidden, expert, num_experts=cfg.experts, k=cfg.k, capacity_factor=cfg.capacity_factor).to(device, dtype)
+    ours.deepspeed_moe.gate.float()
+    layers = {"ours": ours}
+    if cfg.deepspeed != "off":
+        theirs = deepspeed_layer(cfg, expert)
+        if theirs is None and cfg.deepspeed == "on":
+            raise SystemExit("--deepspeed on: deepspeed is not importable in this environment")
+        if theirs is not None:
+            theirs = theirs.to(device, dtype)
+            theirs.deepspeed_moe.gate.float()
+            theirs.deepspeed_moe.gate.wg.weight.data.copy_(ours.deepspeed_moe.gate.wg.weight.data)
+            layers["deepspeed"] = theirs
+    steps = {name: layer_step(layer, x) for name, layer in layers.items()}
+    steps["ours"]()
+    rows = {"ours": ours.deepspeed_moe.routing.kept_counts().tolist()}
+    capacity = max(math.ceil(cfg.tokens / cfg.experts * cfg.capacity_factor * cfg.k), 4)
+    rows["deepspeed"] = [capacity] * cfg.experts  # DeepSpeed multiplies the whole capacity buffer
+    products = {"ours": linear, "deepspeed": _plain_linear}  # what each layer's experts multiply with
+    for name in layers:
+        steps[f"{name} matmuls"] = expert_matmuls(rows[name], cfg, device, products[name])
+    ms = time_interleaved(steps, cfg, device)
+    results = {}
+    for name, layer in layers.items():
+        peak = peak_memory(steps[name], device)
+        _report(name, ms[name], peak, ms[f"{name} matmuls"], sum(rows[name]), cfg)
+        results[name] = {"ms": ms[name], "peak_bytes": peak, "matmul_ms": ms[f"{name} matmuls"]}
+    if "deepspeed" in results:
+        print(f"speed-up over deepspeed: {results['deepspeed']['ms'] / results['ours']['ms']:.2f}x")
+    return results
+
+
+if __name__ == "__main__":
+    main()
