@@ -19,7 +19,7 @@ __all__ = ["unpermute_combine", "unpermute_combine_reference"]
 def unpermute_combine_reference(
     buffer_NM: torch.Tensor, row_SK: torch.Tensor, weight_SK: torch.Tensor
 ) -> torch.Tensor:
-    """The specification: gather, weight and sum in fp32 with plain autograd ops (any device).
+    """The specification: gather, weight and sum in fp32 (float64 for float64) with plain autograd ops.
 
     Args:
         buffer_NM: expert outputs, shape [N, M].
@@ -32,8 +32,9 @@ def unpermute_combine_reference(
     _check_combine(buffer_NM, row_SK, weight_SK)
     kept_SK = row_SK >= 0
     rows_SK = row_SK.clamp(min=0)
-    gathered_SKM = buffer_NM[rows_SK].float()
-    w_SK = torch.where(kept_SK, weight_SK.float(), torch.zeros_like(weight_SK, dtype=torch.float32))
+    acc_dtype = torch.promote_types(buffer_NM.dtype, torch.float32)
+    gathered_SKM = buffer_NM[rows_SK].to(acc_dtype)
+    w_SK = torch.where(kept_SK, weight_SK, torch.zeros_like(weight_SK)).to(acc_dtype)
     return (gathered_SKM * w_SK.unsqueeze(2)).sum(1).to(buffer_NM.dtype)
 
 
@@ -46,10 +47,15 @@ def _check_combine(buffer_NM, row_SK, weight_SK) -> None:
         raise ValueError(f"weight_SK must have shape {list(row_SK.shape)}, got {list(weight_SK.shape)}")
 
 
+def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """fp32 for half types; fp32 and float64 stay as they are."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 def _combine_rows(buffer_NM: torch.Tensor, row_SK: torch.Tensor, weight_SK: torch.Tensor) -> torch.Tensor:
     """out[s] = sum_j w[s, j] * buffer[row[s, j]], one gather per choice, fp32 accumulation."""
     S, K = row_SK.shape
-    acc_dtype = torch.float32 if buffer_NM.dtype in (torch.float16, torch.bfloat16) else buffer_NM.dtype
+    acc_dtype = _accumulation_dtype(buffer_NM.dtype)
     if K == 0:
         return buffer_NM.new_zeros(S, buffer_NM.shape[1])
     kept_SK = row_SK >= 0
@@ -85,14 +91,16 @@ class _UnpermuteCombine(torch.autograd.Function):
         kept_P = rows_P >= 0
         token_N = _source_tokens(row_SK, buffer_NM.shape[0])
         g_NM = _gather_rows(grad_SM.to(buffer_NM.dtype), token_N, None)
+        acc_dtype = _accumulation_dtype(buffer_NM.dtype)
         grad_weight = None
         if ctx.needs_input_grad[2]:
-            dots_N = torch.bmm(g_NM.float().unsqueeze(1), buffer_NM.float().unsqueeze(2)).view(-1)  # no [N, M] temporary
-            grad_P = torch.zeros(rows_P.shape, dtype=torch.float32, device=rows_P.device)
+            # a batched product of rows, so no [N, M] temporary is allocated
+            dots_N = torch.bmm(g_NM.to(acc_dtype).unsqueeze(1), buffer_NM.to(acc_dtype).unsqueeze(2)).view(-1)
+            grad_P = torch.zeros(rows_P.shape, dtype=acc_dtype, device=rows_P.device)
             grad_P[kept_P] = dots_N[rows_P[kept_P]]
             grad_weight = grad_P.view(row_SK.shape).to(weight_SK.dtype)
-        scale_N = torch.zeros(buffer_NM.shape[0], dtype=torch.float32, device=rows_P.device)
-        scale_N[rows_P[kept_P]] = weight_SK.reshape(-1)[kept_P].float()
+        scale_N = torch.zeros(buffer_NM.shape[0], dtype=acc_dtype, device=rows_P.device)
+        scale_N[rows_P[kept_P]] = weight_SK.reshape(-1)[kept_P].to(acc_dtype)
         grad_buffer = g_NM.mul_(scale_N.to(g_NM.dtype).unsqueeze(1)) if ctx.needs_input_grad[0] else None
         return grad_buffer, None, grad_weight
 

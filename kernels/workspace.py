@@ -5,10 +5,14 @@ on the machines we measured costs about 1 ms per MiB, as much as a tenth of an M
 has a caching allocator; the CPU has none, so large temporaries (dispatch buffers, their gradients,
 stacked expert gradients) come from this pool: it keeps the storages it handed out, by size class,
 and gives one out again only when no tensor references it any more (its use count is the pool's
-own), so reuse is safe by construction. Storages left idle for a while are released. Small or non-CPU requests go straight to torch.empty. Set
-MOE_CPU_WORKSPACE=0 to turn the pool off.
+own), so reuse is safe by construction. Storages left idle for a while are released. Small or
+non-CPU requests go straight to torch.empty. On first use the pool also asks glibc to keep freed
+chunks of up to 32 MiB (see `_tune_malloc`). Set MOE_CPU_WORKSPACE=0 to turn both off.
 """
 
+import ctypes
+import ctypes.util
+import functools
 import os
 import threading
 
@@ -26,6 +30,24 @@ _lock = threading.Lock()
 
 def _enabled() -> bool:
     return os.environ.get("MOE_CPU_WORKSPACE", "1") != "0"
+
+
+@functools.cache
+def _tune_malloc() -> bool:
+    """Keep glibc from returning freed chunks of up to 32 MiB to the OS between steps.
+
+    The experts' products allocate their outputs inside torch ops, where the pool cannot serve them;
+    glibc would otherwise trim and re-fault those chunks every step (about 8% of a step at 64
+    experts). This keeps freed memory in the process for reuse, as jemalloc or tcmalloc would.
+    """
+    name = ctypes.util.find_library("c")
+    if not name:
+        return False
+    libc = ctypes.CDLL(name)
+    if not hasattr(libc, "mallopt"):
+        return False
+    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+    return bool(libc.mallopt(M_MMAP_THRESHOLD, 32 << 20)) and bool(libc.mallopt(M_TRIM_THRESHOLD, 1 << 30))
 
 
 def _unused(storage: torch.UntypedStorage) -> bool:
@@ -47,6 +69,7 @@ def empty(shape, dtype: torch.dtype, device: torch.device | str = "cpu") -> torc
     nbytes = numel * torch.empty((), dtype=dtype).element_size()
     if device.type != "cpu" or nbytes < _MIN_BYTES or not _enabled():
         return torch.empty(shape, dtype=dtype, device=device)
+    _tune_malloc()
     with _lock:
         return _take(_round_up(nbytes), dtype, tuple(shape))
 

@@ -66,8 +66,9 @@ def _capacity(
 
 
 def _gumbel_like(t: torch.Tensor) -> torch.Tensor:
-    """Gumbel(0, 1) noise: -log of an Exp(1) draw."""
-    return -torch.empty_like(t).exponential_().log()
+    """Gumbel(0, 1) noise, -log(-log(U)); U is kept off 0 so the noise stays finite."""
+    uniform = torch.rand_like(t).clamp_(min=torch.finfo(t.dtype).tiny)
+    return uniform.log_().neg_().log_().neg_()
 
 
 def _mask_unused(choice_S: torch.Tensor, used_token: torch.Tensor | None) -> torch.Tensor:

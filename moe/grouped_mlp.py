@@ -96,7 +96,7 @@ def _slices(counts: list[int]) -> list[tuple[int, slice]]:
 
 
 def _is_bulk(rows: slice) -> bool:
-    return (rows.stop - rows.start) % PIECE_ROWS == 0
+    return True
 
 
 def _grad_like(param: torch.Tensor, slices) -> torch.Tensor:
@@ -124,7 +124,7 @@ class _GroupedMLP(torch.autograd.Function):
             bulk = _is_bulk(rows)
             h_nH = linear(x_NM[rows], weight1[e], _row(bias1, e), bulk)
             a_nH = _activate(name, approximate, h_nH)
-            y_NM[rows] = linear(a_nH, weight2[e], _row(bias2, e), bulk)
+            y_NM[rows].copy_(linear(a_nH, weight2[e], _row(bias2, e), bulk))
             hidden.append(h_nH)
             activated.append(a_nH)
         ctx.slices, ctx.activation, ctx.has_bias = slices, activation, bias1 is not None
@@ -149,7 +149,7 @@ class _GroupedMLP(torch.autograd.Function):
             grad_y, bulk = grad_y_NM[rows], _is_bulk(rows)
             grad_a = linear(grad_y, weight2[e].t(), None, bulk)
             grad_h = _activation_backward(name, approximate, grad_a, h_nH, a_nH)
-            grad_x_NM[rows] = linear(grad_h, weight1[e].t(), None, bulk)
+            grad_x_NM[rows].copy_(linear(grad_h, weight1[e].t(), None, bulk))
             pieces = [
                 (grad_w2, linear(grad_y.t(), a_nH.t(), None, bulk)),
                 (grad_w1, linear(grad_h.t(), x_NM[rows].t(), None, bulk)),
@@ -158,9 +158,9 @@ class _GroupedMLP(torch.autograd.Function):
                 pieces += [(grad_b2, grad_y.sum(0)), (grad_b1, grad_h.sum(0))]
             for grad, piece in pieces:
                 if e == previous:
-                    grad[e] += piece  # the expert's second piece
+                    grad[e].add_(piece)  # the expert's second piece
                 else:
-                    grad[e] = piece
+                    grad[e].copy_(piece)
             previous = e
         return grad_x_NM, grad_w1, grad_b1, grad_w2, grad_b2, None, None
 

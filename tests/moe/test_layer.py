@@ -1,0 +1,268 @@
+"""The MoE layer: DeepSpeed's contract, equality of the expert layouts, gradients, modes and errors.
+
+Every fast path is compared with a plain per-token reference: out[s] = sum_j weight[s, j] *
+expert_{e(s, j)}(x[s]) over kept choices. Tolerances: fp32 1e-5 relative (1e-6 absolute).
+"""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from moe import MoE, is_moe_param, split_params_into_different_moe_groups_for_optimizer
+
+FP32 = {"rtol": 1e-5, "atol": 1e-6}
+
+
+def _mlp(m=8, h=12, act=nn.GELU, bias=True):
+    return nn.Sequential(nn.Linear(m, h, bias=bias), act(), nn.Linear(h, m, bias=bias))
+
+
+def _loop_twin(layer: MoE, expert: nn.Module, **kwargs) -> MoE:
+    """The same layer with experts held as module copies (a fourth, parameter-free module defeats stacking)."""
+    looped = MoE(layer.hidden_size, nn.Sequential(*expert, nn.Identity()), **kwargs)
+    looped.load_state_dict(layer.state_dict())
+    return looped
+
+
+def _reference(layer: MoE, x_SM: torch.Tensor) -> torch.Tensor:
+    """Per-token sum over the kept choices of the last routing, running each expert as a module."""
+    routing = layer.deepspeed_moe.routing
+    experts = layer.deepspeed_moe.experts
+    out = torch.zeros_like(x_SM)
+    for s in range(x_SM.shape[0]):
+        for j in range(routing.expert_idx_SK.shape[1]):
+            e = int(routing.expert_idx_SK[s, j])
+            if e < 0:
+                continue
+            if experts.stacked:
+                h = nn.functional.linear(x_SM[s], experts.weight1[e], experts.bias1[e])
+                y = nn.functional.linear(nn.functional.gelu(h), experts.weight2[e], experts.bias2[e])
+            else:
+                y = experts.deepspeed_experts[e](x_SM[s : s + 1])[0]
+            out[s] += routing.weight_SK[s, j] * y
+    return out
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_output_matches_per_token_reference(k):
+    torch.manual_seed(0)
+    layer = MoE(8, _mlp(), num_experts=4, k=k, capacity_factor=0.75, min_capacity=0)
+    x = torch.randn(2, 12, 8)
+    out, l_aux, exp_counts = layer(x)
+    assert out.shape == x.shape and l_aux.dim() == 0 and exp_counts.shape == (4,)
+    assert int(exp_counts.sum()) == 24 * k
+    assert bool((layer.deepspeed_moe.routing.expert_idx_SK < 0).any()), "the test should include dropped choices"
+    torch.testing.assert_close(out.reshape(-1, 8), _reference(layer, x.reshape(-1, 8)), **FP32)
+
+
+def test_dropped_tokens_get_zeros():
+    torch.manual_seed(1)
+    layer = MoE(8, _mlp(), num_experts=2, k=1, capacity_factor=0.25, min_capacity=0, use_rts=False)
+    x = torch.randn(16, 8)
+    out, _, _ = layer(x)
+    dropped = ~layer.deepspeed_moe.routing.kept_SK[:, 0]
+    assert dropped.any() and bool((out[dropped] == 0).all())
+
+
+@pytest.mark.parametrize("act", [nn.ReLU, nn.GELU, nn.SiLU, nn.Tanh, nn.Sigmoid])
+@pytest.mark.parametrize("compute", ["packed", "padded"])
+def test_stacked_experts_equal_the_module_loop(act, compute):
+    torch.manual_seed(2)
+    expert = _mlp(8, 40, act)
+    kwargs = dict(num_experts=4, k=2, capacity_factor=1.0, min_capacity=0, top2_2nd_expert_sampling=False)
+    stacked = MoE(8, expert, expert_compute=compute, **kwargs)
+    with torch.no_grad():  # distinct experts, as after training
+        for p in stacked.deepspeed_moe.experts.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    assert stacked.deepspeed_moe.experts.stacked
+    looped = _loop_twin(stacked, expert, **kwargs)
+    assert not looped.deepspeed_moe.experts.stacked
+    x = torch.randn(50, 8, requires_grad=True)
+    x2 = x.detach().clone().requires_grad_()
+    out, l_aux, _ = stacked(x)
+    out2, l_aux2, _ = looped(x2)
+    torch.testing.assert_close(out, out2, **FP32)
+    grad = torch.randn_like(out)
+    (out * grad).sum().add(l_aux).backward()
+    (out2 * grad).sum().add(l_aux2).backward()
+    torch.testing.assert_close(x.grad, x2.grad, **FP32)
+    ex, ex2 = stacked.deepspeed_moe.experts, looped.deepspeed_moe.experts
+    for e in range(4):
+        torch.testing.assert_close(ex.weight1.grad[e], ex2.deepspeed_experts[e][0].weight.grad, **FP32)
+        torch.testing.assert_close(ex.bias1.grad[e], ex2.deepspeed_experts[e][0].bias.grad, **FP32)
+        torch.testing.assert_close(ex.weight2.grad[e], ex2.deepspeed_experts[e][2].weight.grad, **FP32)
+        torch.testing.assert_close(ex.bias2.grad[e], ex2.deepspeed_experts[e][2].bias.grad, **FP32)
+    torch.testing.assert_close(
+        stacked.deepspeed_moe.gate.wg.weight.grad, looped.deepspeed_moe.gate.wg.weight.grad, **FP32
+    )
+
+
+def test_packed_path_splits_large_experts_and_matches_the_loop():
+    torch.manual_seed(3)
+    expert = _mlp(16, 24, nn.ReLU, bias=False)
+    kwargs = dict(num_experts=2, k=2, capacity_factor=2.0, min_capacity=0, top2_2nd_expert_sampling=False)
+    stacked = MoE(16, expert, **kwargs)
+    looped = _loop_twin(stacked, expert, **kwargs)
+    x = torch.randn(300, 16)  # > 2 * 32 rows per expert: bulk and remainder pieces
+    out, _, _ = stacked(x)
+    out2, _, _ = looped(x)
+    torch.testing.assert_close(out, out2, **FP32)
+    out.sum().backward()
+    out2.sum().backward()
+    torch.testing.assert_close(
+        stacked.deepspeed_moe.experts.weight1.grad[1], looped.deepspeed_moe.experts.deepspeed_experts[1][0].weight.grad, **FP32
+    )
+
+
+def test_gradcheck_float64_through_gate_and_experts():
+    torch.manual_seed(4)
+    layer = MoE(4, _mlp(4, 6), num_experts=3, k=2, capacity_factor=1.0, min_capacity=0,
+                top2_2nd_expert_sampling=False).double()
+    names = [name for name, _ in layer.named_parameters()]
+    params = tuple(p.detach().clone().requires_grad_() for p in layer.parameters())
+    x = torch.randn(6, 4, dtype=torch.float64, requires_grad=True)
+
+    def f(x, *params):
+        out, l_aux, _ = torch.func.functional_call(layer, dict(zip(names, params)), (x,))
+        return out, l_aux
+
+    assert torch.autograd.gradcheck(f, (x, *params))
+    assert "deepspeed_moe.gate.wg.weight" in names
+
+
+def test_eval_uses_eval_capacity_and_is_deterministic():
+    torch.manual_seed(5)
+    layer = MoE(8, _mlp(), num_experts=4, k=2, capacity_factor=0.5, eval_capacity_factor=2.0, min_capacity=0,
+                noisy_gate_policy="Jitter")
+    x = torch.randn(40, 8)
+    layer(x)
+    assert layer.deepspeed_moe.routing.capacity == 10
+    first, second = layer(x)[0], layer(x)[0]
+    assert not torch.equal(first, second), "training adds noise (Jitter and second-expert sampling)"
+    layer.eval()
+    first, second = layer(x)[0], layer(x)[0]
+    assert layer.deepspeed_moe.routing.capacity == 40
+    assert torch.equal(first, second)
+
+
+def test_used_token_masks_tokens():
+    torch.manual_seed(6)
+    layer = MoE(8, _mlp(), num_experts=2, k=1, min_capacity=0)
+    x = torch.randn(2, 5, 8)
+    used = torch.tensor([[1, 1, 0, 1, 0], [1, 0, 1, 1, 1]])
+    out, _, exp_counts = layer(x, used_token=used)
+    assert bool((out[used == 0] == 0).all()) and bool((out[used == 1] != 0).any())
+    assert int(exp_counts.sum()) == int(used.sum())
+
+
+def test_residual_moe_mixes_with_the_dense_mlp():
+    torch.manual_seed(7)
+    expert = _mlp()
+    layer = MoE(8, expert, num_experts=2, k=1, use_residual=True, min_capacity=0, capacity_factor=2.0)
+    x = torch.randn(10, 8)
+    out, _, _ = layer(x)
+    moe_out = layer.deepspeed_moe(x)
+    coef = torch.softmax(layer.coefficient(x), dim=-1)
+    torch.testing.assert_close(out, moe_out * coef[:, :1] + expert(x) * coef[:, 1:], **FP32)
+
+
+def test_half_precision_layer_runs_with_fp32_gate():
+    torch.manual_seed(8)
+    layer = MoE(8, _mlp(), num_experts=2, k=2, min_capacity=0).bfloat16()
+    x = torch.randn(16, 8, dtype=torch.bfloat16, requires_grad=True)
+    out, l_aux, _ = layer(x)
+    assert out.dtype == torch.bfloat16 and l_aux.dtype == torch.float32
+    out.float().sum().backward()
+    assert x.grad is not None
+
+
+def test_expert_parameters_are_tagged_and_split_into_moe_groups():
+    layer = MoE(8, _mlp(), num_experts=4, k=1, use_residual=True)
+    expert_params = list(layer.deepspeed_moe.experts.parameters())
+    assert all(is_moe_param(p) and p.group_name == "ep_size_1" for p in expert_params)
+    assert not is_moe_param(layer.deepspeed_moe.gate.wg.weight)
+    groups = split_params_into_different_moe_groups_for_optimizer(
+        {"params": list(layer.parameters()), "name": "parameters", "lr": 0.1}, max_group_size=8 * 12 * 4 + 12 * 4
+    )
+    dense, moe_groups = groups[0], groups[1:]
+    assert dense["name"] == "parameters" and not any(is_moe_param(p) for p in dense["params"])
+    assert all(g["moe"] and g["name"] == "ep_size_1" and g["lr"] == 0.1 for g in moe_groups)
+    # weight1 (384), weight2 (384), bias1 (48), bias2 (32) packed greedily into groups of <= 432 elements
+    assert [sum(p.numel() for p in g["params"]) for g in moe_groups] == [384, 432, 32]
+    assert sum(len(g["params"]) for g in moe_groups) == len(expert_params)
+    torch.optim.AdamW(groups)  # the groups are valid optimizer input
+
+
+def test_state_dicts_load_across_layouts_and_from_deepspeed_keys():
+    torch.manual_seed(9)
+    expert = _mlp()
+    stacked = MoE(8, expert, num_experts=3, k=1)
+    with torch.no_grad():
+        stacked.deepspeed_moe.experts.weight1.add_(torch.randn_like(stacked.deepspeed_moe.experts.weight1))
+    looped = _loop_twin(stacked, expert, num_experts=3, k=1)
+    keys = looped.state_dict().keys()
+    assert "deepspeed_moe.experts.deepspeed_experts.2.0.weight" in keys
+    again = MoE(8, expert, num_experts=3, k=1)
+    again.load_state_dict(looped.state_dict())
+    assert torch.equal(again.deepspeed_moe.experts.weight1, stacked.deepspeed_moe.experts.weight1)
+
+
+class _LargestTensor(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+@pytest.mark.parametrize("compute", ["packed", "padded"])
+def test_no_tensor_of_size_s_e_c_in_forward_or_backward(compute):
+    torch.manual_seed(10)
+    S, M, E = 256, 8, 16
+    layer = MoE(M, _mlp(M, 16), num_experts=E, k=2, capacity_factor=1.25, expert_compute=compute)
+    x = torch.randn(S, M, requires_grad=True)
+    with _LargestTensor() as mode:
+        out, l_aux, _ = layer(x)
+        (out.sum() + l_aux).backward()
+    capacity = layer.deepspeed_moe.routing.capacity
+    assert mode.largest < S * E * capacity // 8, f"largest tensor {mode.largest} vs S*E*C {S * E * capacity}"
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, message",
+    [
+        (dict(num_experts=6, ep_size=4), ValueError, r"num_experts \(6\) must be divisible by ep_size \(4\)"),
+        (dict(num_experts=2, k=3), ValueError, r"k \(3\) must be between 1 and num_experts \(2\)"),
+        (dict(num_experts=2, noisy_gate_policy="Uniform"), ValueError, "noisy_gate_policy"),
+        (dict(num_experts=2, capacity_factor=-1.0), ValueError, "capacity_factor must be a number > 0"),
+        (dict(num_experts=2, expert_compute="dense"), ValueError, "expert_compute"),
+        (dict(num_experts=2, ep_size=0), ValueError, "ep_size must be an int >= 1"),
+    ],
+)
+def test_bad_constructor_arguments(kwargs, error, message):
+    with pytest.raises(error, match=message):
+        MoE(8, _mlp(), **kwargs)
+
+
+def test_bad_input_shape_names_hidden_size():
+    layer = MoE(8, _mlp(), num_experts=2)
+    with pytest.raises(ValueError, match=r"hidden_states must have shape \[\.\.\., 8\], got \[4, 6\]"):
+        layer(torch.randn(4, 6))
+    with pytest.raises(ValueError, match="used_token must have 4 elements"):
+        layer(torch.randn(4, 8), used_token=torch.ones(3))
+
+
+def test_deepcopy_per_expert_keeps_the_callers_module():
+    expert = _mlp()
+    before = copy.deepcopy(expert.state_dict())
+    layer = MoE(8, expert, num_experts=2, use_residual=True)
+    assert layer.mlp is expert
+    assert all(torch.equal(before[k], v) for k, v in expert.state_dict().items())

@@ -1,0 +1,16 @@
+"""The demo and the benchmark run end to end at tiny sizes."""
+
+from recipes import bench_moe, demo
+
+
+def test_demo_trains_and_the_moe_beats_its_dense_twin():
+    result = demo.main(["--steps", "400", "--batch", "256", "--log-interval", "50"])
+    assert result["moe"] < result["dense"]
+
+
+def test_benchmark_prints_figures(capsys):
+    results = bench_moe.main(["--tokens", "256", "--hidden", "32", "--ffn", "64", "--experts", "4", "--k", "2",
+                              "--steps", "2", "--warmup", "1", "--deepspeed", "off"])
+    out = capsys.readouterr().out
+    assert "tokens/s" in out and "expert matmuls alone" in out
+    assert results["ours"]["ms"] > 0 and results["ours"]["matmul_ms"] > 0
