@@ -12,6 +12,7 @@ remainder of each expert's rows (see `_slices`), through F.linear. Set MOE_CPU_O
 F.linear everywhere.
 """
 
+import collections
 import functools
 import os
 
@@ -25,6 +26,9 @@ __all__ = ["ACTIVATIONS", "grouped_mlp", "linear"]
 ACTIVATIONS = ("relu", "gelu", "silu", "tanh", "sigmoid")
 _ONEDNN_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 PIECE_ROWS = 32
+_SHORT_REDUCTION = 16 * PIECE_ROWS
+_MAX_SEEN_REDUCTIONS = 512  # well under oneDNN's default primitive cache of 1024
+_SEEN_REDUCTIONS: collections.OrderedDict = collections.OrderedDict()
 
 
 @functools.cache
@@ -43,47 +47,52 @@ def _onednn_linear():
     return op if ok else None
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, onednn: bool = True) -> torch.Tensor:
-    """x @ weight^T + bias; x [n, in], weight [out, in]; through oneDNN on the CPU when available and asked."""
-    op = _onednn_linear() if onednn and x.device.type == "cpu" and x.dtype in _ONEDNN_DTYPES else None
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight^T + bias; x [n, in], weight [out, in]; through oneDNN on the CPU when available."""
+    op = _onednn_linear() if x.device.type == "cpu" and x.dtype in _ONEDNN_DTYPES else None
     if op is None:
         return F.linear(x, weight, bias)
     return op(x, weight, bias, "none", [], "")
 
 
-def _activate(name: str, approximate: str, h: torch.Tensor) -> torch.Tensor:
-    """Activation output; in place on h where the backward needs only the output."""
+_NEEDS_INPUT = ("gelu", "silu")  # activations whose backward needs the pre-activation, not only the output
+
+
+def _activate(name: str, approximate: str, h: torch.Tensor, out: torch.Tensor) -> None:
+    """out = act(h), elementwise."""
     if name == "relu":
-        return h.clamp_min_(0)
-    if name == "tanh":
-        return h.tanh_()
-    if name == "sigmoid":
-        return h.sigmoid_()
-    if name == "gelu":
-        return F.gelu(h, approximate=approximate)
-    return F.silu(h)
+        torch.clamp_min(h, 0, out=out)
+    elif name == "tanh":
+        torch.tanh(h, out=out)
+    elif name == "sigmoid":
+        torch.sigmoid(h, out=out)
+    elif name == "gelu":
+        torch.ops.aten.gelu.out(h, approximate=approximate, out=out)
+    else:
+        torch.ops.aten.silu.out(h, out=out)
 
 
-def _activation_backward(name: str, approximate: str, grad_a: torch.Tensor, h, a) -> torch.Tensor:
-    """Gradient through the activation, written into grad_a (elementwise, so aliasing is safe)."""
+def _activation_backward(name: str, approximate: str, grad_a, h, a, out) -> None:
+    """out = grad_a * act'(.), from the output a (ReLU, Tanh, Sigmoid) or the input h (GELU, SiLU)."""
     ops = torch.ops.aten
     if name == "relu":
-        return ops.threshold_backward.grad_input(grad_a, a, 0, grad_input=grad_a)
-    if name == "tanh":
-        return ops.tanh_backward.grad_input(grad_a, a, grad_input=grad_a)
-    if name == "sigmoid":
-        return ops.sigmoid_backward.grad_input(grad_a, a, grad_input=grad_a)
-    if name == "gelu":
-        return ops.gelu_backward.grad_input(grad_a, h, approximate=approximate, grad_input=grad_a)
-    return ops.silu_backward.grad_input(grad_a, h, grad_input=grad_a)
+        ops.threshold_backward.grad_input(grad_a, a, 0, grad_input=out)
+    elif name == "tanh":
+        ops.tanh_backward.grad_input(grad_a, a, grad_input=out)
+    elif name == "sigmoid":
+        ops.sigmoid_backward.grad_input(grad_a, a, grad_input=out)
+    elif name == "gelu":
+        ops.gelu_backward.grad_input(grad_a, h, approximate=approximate, grad_input=out)
+    else:
+        ops.silu_backward.grad_input(grad_a, h, grad_input=out)
 
 
 def _slices(counts: list[int]) -> list[tuple[int, slice]]:
     """(expert, row slice) pieces covering every expert's rows: a multiple of PIECE_ROWS, then the rest.
 
-    oneDNN JIT-compiles a primitive per distinct shape and caches a bounded number, while routing
-    changes expert sizes every step; so only the bulk pieces (few distinct shapes, soon all cached)
-    go to oneDNN, and the short rest (< PIECE_ROWS rows) to F.linear.
+    oneDNN JIT-compiles a primitive per distinct shape (about 1 ms) and caches a bounded number,
+    while routing changes expert sizes every step; cutting each expert's rows into a bulk and a rest
+    of fewer than PIECE_ROWS rows keeps the distinct shapes few, so they are soon all cached.
     """
     out, start = [], 0
     for e, count in enumerate(counts):
@@ -95,73 +104,107 @@ def _slices(counts: list[int]) -> list[tuple[int, slice]]:
     return out
 
 
-def _is_bulk(rows: slice) -> bool:
-    return True
+def _experts(counts: list[int]) -> list[tuple[int, slice]]:
+    """(expert, row slice) of every expert with at least one row."""
+    out, start = [], 0
+    for e, count in enumerate(counts):
+        if count:
+            out.append((e, slice(start, start + count)))
+        start += count
+    return out
 
 
-def _grad_like(param: torch.Tensor, slices) -> torch.Tensor:
+def _reduction_parts(rows: slice, out: torch.Tensor) -> list[slice]:
+    """How a weight gradient over `rows` is cut: the row count is the reduction length there.
+
+    A new count means a new oneDNN primitive, so by default the product runs as bulk plus rest, like
+    the row products, and the two results are summed into place. For short reductions (many small
+    experts), where that sum costs most and counts vary least, a count is remembered and runs as one
+    product when it comes again, its primitive then being likely cached.
+    """
+    n = rows.stop - rows.start
+    key = (n, out.shape, out.dtype)
+    if key in _SEEN_REDUCTIONS:
+        _SEEN_REDUCTIONS.move_to_end(key)
+        return [rows]
+    if n < _SHORT_REDUCTION:
+        _SEEN_REDUCTIONS[key] = None
+        if len(_SEEN_REDUCTIONS) > _MAX_SEEN_REDUCTIONS:
+            _SEEN_REDUCTIONS.popitem(last=False)
+    bulk = rows.start + n // PIECE_ROWS * PIECE_ROWS
+    return [part for part in (slice(rows.start, bulk), slice(bulk, rows.stop)) if part.stop > part.start]
+
+
+def _weight_grad_into(out: torch.Tensor, grad_NO: torch.Tensor, input_NI: torch.Tensor, rows: slice) -> None:
+    """out = grad[rows]^T @ input[rows], cut as `_reduction_parts` says."""
+    products = [linear(grad_NO[part].t(), input_NI[part].t()) for part in _reduction_parts(rows, out)]
+    if len(products) == 1:
+        out.copy_(products[0])
+    else:
+        torch.add(products[0], products[1], out=out)
+
+
+def _grad_like(param: torch.Tensor, counts: list[int]) -> torch.Tensor:
     """Uninitialised gradient for a stacked parameter, zeroed only for experts that got no rows."""
     grad = workspace.empty_like(param)
-    routed = torch.zeros(param.shape[0], dtype=torch.bool)
-    routed[[e for e, _ in slices]] = True
-    if not bool(routed.all()):
-        grad[(~routed).to(grad.device)] = 0
+    for e, count in enumerate(counts):
+        if not count:
+            grad[e].zero_()
     return grad
 
 
-def _row(param: torch.Tensor | None, e: int) -> torch.Tensor | None:
-    return None if param is None else param[e]
+def _per_expert(param: torch.Tensor | None, num_experts: int) -> tuple:
+    """Each expert's slice of a stacked parameter (None for every expert when there is no parameter)."""
+    return (None,) * num_experts if param is None else param.unbind(0)
 
 
 class _GroupedMLP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_NM, weight1, bias1, weight2, bias2, counts, activation):
         name, approximate = activation
-        slices = _slices(counts)
+        pieces = _slices(counts)
+        sizes = [rows.stop - rows.start for _, rows in pieces]
+        a_NH = workspace.empty((x_NM.shape[0], weight1.shape[1]), x_NM.dtype, x_NM.device)
         y_NM = workspace.empty((x_NM.shape[0], weight2.shape[1]), x_NM.dtype, x_NM.device)
-        hidden, activated = [], []
-        for e, rows in slices:
-            bulk = _is_bulk(rows)
-            h_nH = linear(x_NM[rows], weight1[e], _row(bias1, e), bulk)
-            a_nH = _activate(name, approximate, h_nH)
-            y_NM[rows].copy_(linear(a_nH, weight2[e], _row(bias2, e), bulk))
-            hidden.append(h_nH)
-            activated.append(a_nH)
-        ctx.slices, ctx.activation, ctx.has_bias = slices, activation, bias1 is not None
-        ctx.save_for_backward(x_NM, weight1, weight2, *hidden, *activated)
+        w1, w2, b1, b2 = (_per_expert(p, weight1.shape[0]) for p in (weight1, weight2, bias1, bias2))
+        hidden = []
+        # views made in one call each: per-op overhead matters with many experts
+        for (e, _), x, a, y in zip(pieces, x_NM.split(sizes), a_NH.split(sizes), y_NM.split(sizes)):
+            h = linear(x, w1[e], b1[e])
+            _activate(name, approximate, h, a)
+            y.copy_(linear(a, w2[e], b2[e]))
+            if name in _NEEDS_INPUT:
+                hidden.append(h)
+        ctx.counts, ctx.pieces, ctx.sizes = counts, pieces, sizes
+        ctx.activation, ctx.has_bias = activation, bias1 is not None
+        ctx.save_for_backward(x_NM, weight1, weight2, a_NH, *hidden)
         return y_NM
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_y_NM):
-        x_NM, weight1, weight2, *saved = ctx.saved_tensors
-        hidden, activated = saved[: len(ctx.slices)], saved[len(ctx.slices) :]
+        # 1. per piece: grad_a = grad_y W2, grad_h = act'(grad_a), grad_x = grad_h W1
+        # 2. per expert: weight gradients (bulk and rest summed into place) and bias gradients
+        x_NM, weight1, weight2, a_NH, *hidden = ctx.saved_tensors
         name, approximate = ctx.activation
         grad_y_NM = grad_y_NM.contiguous()
-        grad_w1, grad_w2 = _grad_like(weight1, ctx.slices), _grad_like(weight2, ctx.slices)
-        grad_b1 = grad_b2 = None
-        if ctx.has_bias:
-            grad_b1 = _grad_like(weight1.new_empty(weight1.shape[:2]), ctx.slices)
-            grad_b2 = _grad_like(weight2.new_empty(weight2.shape[:2]), ctx.slices)
+        grad_h_NH = workspace.empty_like(a_NH)
         grad_x_NM = workspace.empty_like(x_NM)
-        previous = -1
-        for (e, rows), h_nH, a_nH in zip(ctx.slices, hidden, activated):
-            grad_y, bulk = grad_y_NM[rows], _is_bulk(rows)
-            grad_a = linear(grad_y, weight2[e].t(), None, bulk)
-            grad_h = _activation_backward(name, approximate, grad_a, h_nH, a_nH)
-            grad_x_NM[rows].copy_(linear(grad_h, weight1[e].t(), None, bulk))
-            pieces = [
-                (grad_w2, linear(grad_y.t(), a_nH.t(), None, bulk)),
-                (grad_w1, linear(grad_h.t(), x_NM[rows].t(), None, bulk)),
-            ]
+        w1_t, w2_t = weight1.transpose(1, 2).unbind(0), weight2.transpose(1, 2).unbind(0)
+        views = (grad_y_NM, a_NH, grad_h_NH, grad_x_NM)
+        for index, ((e, _), grad_y, a, grad_h, grad_x) in enumerate(zip(ctx.pieces, *(t.split(ctx.sizes) for t in views))):
+            grad_a = linear(grad_y, w2_t[e])
+            _activation_backward(name, approximate, grad_a, hidden[index] if hidden else None, a, grad_h)
+            grad_x.copy_(linear(grad_h, w1_t[e]))
+        grad_w1, grad_w2 = _grad_like(weight1, ctx.counts), _grad_like(weight2, ctx.counts)
+        grad_b1 = _grad_like(weight1.new_empty(weight1.shape[:2]), ctx.counts) if ctx.has_bias else None
+        grad_b2 = _grad_like(weight2.new_empty(weight2.shape[:2]), ctx.counts) if ctx.has_bias else None
+        for e, rows in _experts(ctx.counts):
+            _weight_grad_into(grad_w2[e], grad_y_NM, a_NH, rows)
+            _weight_grad_into(grad_w1[e], grad_h_NH, x_NM, rows)
             if ctx.has_bias:
-                pieces += [(grad_b2, grad_y.sum(0)), (grad_b1, grad_h.sum(0))]
-            for grad, piece in pieces:
-                if e == previous:
-                    grad[e].add_(piece)  # the expert's second piece
-                else:
-                    grad[e].copy_(piece)
-            previous = e
+                torch.sum(grad_y_NM[rows], 0, out=grad_b2[e])
+                torch.sum(grad_h_NH[rows], 0, out=grad_b1[e])
         return grad_x_NM, grad_w1, grad_b1, grad_w2, grad_b2, None, None
 
 

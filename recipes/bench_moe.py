@@ -5,11 +5,11 @@
 
 Prints, for this project's layer (and DeepSpeed's MoE layer side by side when `deepspeed` is
 importable and --deepspeed is not "off"): ms per step (median), tokens/s, peak memory of a step (GPU:
-allocated bytes; CPU: growth of resident memory during the step, so memory kept from earlier steps,
-such as the CPU workspace, does not count),
+allocated bytes; CPU: growth of resident memory during the step, plus for ours the CPU workspace it
+keeps between steps),
 and the time of the experts' matrix products alone on the rows each layer actually multiplies
-(routed tokens for ours, the full capacity buffer for DeepSpeed) with the same product each layer
-uses (oneDNN for ours on a CPU, F.linear for DeepSpeed), and that time as a share of the layer's step.
+(routed tokens for ours, the full capacity buffer for DeepSpeed), issued as each layer issues them
+(see `expert_matmuls`), and that time as a share of the layer's step.
 """
 
 import argparse
@@ -24,7 +24,8 @@ import torch
 from torch import nn
 
 from moe import MoE
-from moe.grouped_mlp import _is_bulk, _slices, linear
+from kernels import workspace
+from moe.grouped_mlp import _reduction_parts, _slices, linear
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 ACTIVATIONS = {"gelu": nn.GELU, "relu": nn.ReLU, "silu": nn.SiLU}
@@ -115,8 +116,14 @@ def time_interleaved(steps: dict, cfg: BenchConfig, device) -> dict:
     return {name: statistics.median(values) * 1e3 for name, values in times.items()}
 
 
-def expert_matmuls(counts: list[int], cfg: BenchConfig, device, product):
-    """The six products per expert of a Linear-act-Linear forward+backward, alone, through `product`."""
+def expert_matmuls(counts: list[int], cfg: BenchConfig, device, ours: bool):
+    """The experts' products of one forward+backward, alone, as each layer issues them.
+
+    Ours: oneDNN products per piece of rows, weight gradients cut as the layer cuts them (see
+    moe.grouped_mlp), without the layer's copies and sums around them.
+    DeepSpeed's: torch's default products (F.linear forward, mm backward) per expert on the full
+    capacity buffer, as autograd runs nn.Linear.
+    """
     dtype = DTYPES[cfg.dtype]
     M, H = cfg.hidden, cfg.ffn
     N = sum(counts)
@@ -124,31 +131,41 @@ def expert_matmuls(counts: list[int], cfg: BenchConfig, device, product):
     h, gh = (torch.randn(N, H, device=device, dtype=dtype) for _ in range(2))
     w1 = torch.randn(len(counts), H, M, device=device, dtype=dtype)
     w2 = torch.randn(len(counts), M, H, device=device, dtype=dtype)
-    pieces = _slices(counts) if product is linear else _whole(counts)
+    pieces, experts = _slices(counts), _whole(counts)
 
-    def run():
+    def run_ours():
         for e, rows in pieces:
-            fast = _is_bulk(rows)
-            product(x[rows], w1[e], None, fast)  # forward: x W1^T, a W2^T
-            product(h[rows], w2[e], None, fast)
-            product(gy[rows].t(), h[rows].t(), None, fast)  # backward: weight and input gradients of both
-            product(gy[rows], w2[e].t(), None, fast)
-            product(gh[rows].t(), x[rows].t(), None, fast)
-            product(gh[rows], w1[e].t(), None, fast)
+            linear(x[rows], w1[e])  # forward: x W1^T, a W2^T
+            linear(h[rows], w2[e])
+        for e, rows in pieces:
+            linear(gy[rows], w2[e].t())  # backward: input gradients
+            linear(gh[rows], w1[e].t())
+        for e, rows in _whole(counts):
+            for part in _reduction_parts(rows, w2[e]):  # weight gradients, cut as the layer cuts them
+                linear(gy[part].t(), h[part].t())
+            for part in _reduction_parts(rows, w1[e]):
+                linear(gh[part].t(), x[part].t())
 
-    return run
+    def run_deepspeed():
+        for e, rows in experts:
+            nn.functional.linear(x[rows], w1[e])
+            nn.functional.linear(h[rows], w2[e])
+        for e, rows in experts:
+            torch.mm(gy[rows], w2[e])
+            torch.mm(gy[rows].t(), h[rows])
+            torch.mm(gh[rows], w1[e])
+            torch.mm(gh[rows].t(), x[rows])
+
+    return run_ours if ours else run_deepspeed
 
 
 def _whole(counts: list[int]) -> list[tuple[int, slice]]:
+    """(expert, row slice) for every expert, empty ones included (DeepSpeed multiplies them all)."""
     bounds, start = [], 0
     for e, count in enumerate(counts):
         bounds.append((e, slice(start, start + count)))
         start += count
     return bounds
-
-
-def _plain_linear(x, weight, bias, fast):
-    return nn.functional.linear(x, weight, bias)
 
 
 def make_expert(cfg: BenchConfig) -> nn.Module:
@@ -209,13 +226,14 @@ def main(argv=None) -> dict:
     rows = {"ours": ours.deepspeed_moe.routing.kept_counts().tolist()}
     capacity = max(math.ceil(cfg.tokens / cfg.experts * cfg.capacity_factor * cfg.k), 4)
     rows["deepspeed"] = [capacity] * cfg.experts  # DeepSpeed multiplies the whole capacity buffer
-    products = {"ours": linear, "deepspeed": _plain_linear}  # what each layer's experts multiply with
     for name in layers:
-        steps[f"{name} matmuls"] = expert_matmuls(rows[name], cfg, device, products[name])
+        steps[f"{name} matmuls"] = expert_matmuls(rows[name], cfg, device, ours=name == "ours")
     ms = time_interleaved(steps, cfg, device)
     results = {}
     for name, layer in layers.items():
         peak = peak_memory(steps[name], device)
+        if name == "ours" and device.type == "cpu":
+            peak += workspace.held_bytes()  # kept between steps, so not in the step's growth
         _report(name, ms[name], peak, ms[f"{name} matmuls"], sum(rows[name]), cfg)
         results[name] = {"ms": ms[name], "peak_bytes": peak, "matmul_ms": ms[f"{name} matmuls"]}
     if "deepspeed" in results:
