@@ -52,6 +52,13 @@ def _plain_mlp(expert: nn.Module):
     return first, _ACTIVATIONS[type(act)], approximate, second
 
 
+def _batched_linear(x_LCI: torch.Tensor, weight_LOI: torch.Tensor, bias_LO: torch.Tensor | None) -> torch.Tensor:
+    """Per-expert x @ W^T + b over the capacity buffer, one batched product."""
+    if bias_LO is None:
+        return torch.bmm(x_LCI, weight_LOI.transpose(1, 2))
+    return torch.baddbmm(bias_LO.unsqueeze(1), x_LCI, weight_LOI.transpose(1, 2))
+
+
 class Experts(nn.Module):
     """The local experts of one MoE layer.
 
@@ -126,16 +133,11 @@ class Experts(nn.Module):
         return torch.cat(outputs)
 
     def _padded(self, buffer_NM: torch.Tensor) -> torch.Tensor:
-        L = self.num_local_experts
-        x_LCM = buffer_NM.view(L, -1, buffer_NM.shape[1])
-        h = torch.bmm(x_LCM, self.weight1.transpose(1, 2))
-        if self.bias1 is not None:
-            h = h + self.bias1.unsqueeze(1)
-        a = _ACTIVATION_FUNCTIONS[self.activation](h, self.approximate)
-        y = torch.bmm(a, self.weight2.transpose(1, 2))
-        if self.bias2 is not None:
-            y = y + self.bias2.unsqueeze(1)
-        return y.reshape(-1, y.shape[2])
+        x_LCM = buffer_NM.view(self.num_local_experts, -1, buffer_NM.shape[1])
+        h_LCH = _batched_linear(x_LCM, self.weight1, self.bias1)
+        a_LCH = _ACTIVATION_FUNCTIONS[self.activation](h_LCH, self.approximate)
+        y_LCM = _batched_linear(a_LCH, self.weight2, self.bias2)
+        return y_LCM.reshape(-1, y_LCM.shape[2])
 
     def _convert_state_dict(self, state_dict, prefix, *args):
         """Accept the other layout's keys: per-expert module keys into stacked ones, or the reverse."""
