@@ -12,7 +12,6 @@ and the time of the experts' matrix products alone on the rows each layer actual
 (see `expert_matmuls`), and that time as a share of the layer's step.
 """
 
-import argparse
 import math
 import os
 import statistics
@@ -23,9 +22,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from moe import MoE
 from kernels import workspace
+from moe import MoE
 from moe.grouped_mlp import _reduction_parts, _slices, linear
+from recipes.cli import flag_parser
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 ACTIVATIONS = {"gelu": nn.GELU, "relu": nn.ReLU, "silu": nn.SiLU}
@@ -197,10 +197,7 @@ def _report(name: str, ms: float, peak: int, matmul_ms: float, rows: int, cfg: B
 
 
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    for field, default in BenchConfig.__dataclass_fields__.items():
-        flag = "--" + field.replace("_", "-")
-        parser.add_argument(flag, type=type(default.default), default=default.default)
+    parser = flag_parser(BenchConfig, __doc__)
     cfg = BenchConfig(**vars(parser.parse_args(argv)))
     if cfg.dtype not in DTYPES or cfg.activation not in ACTIVATIONS or cfg.deepspeed not in ("auto", "on", "off"):
         parser.error(f"--dtype must be in {list(DTYPES)}, --activation in {list(ACTIVATIONS)}, --deepspeed auto|on|off")

@@ -10,7 +10,6 @@ mean-squared error plus the load-balancing loss. It prints the loss, the load-ba
 the tokens each expert received, and at the end the loss of a dense model of the same active size.
 """
 
-import argparse
 import time
 from dataclasses import asdict, dataclass
 
@@ -18,6 +17,7 @@ import torch
 from torch import nn
 
 from moe import MoE, split_params_into_different_moe_groups_for_optimizer
+from recipes.cli import flag_parser
 
 
 @dataclass(kw_only=True)
@@ -94,9 +94,7 @@ def train(cfg: DemoConfig, dense: bool) -> float:
 
 
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    for name, field in DemoConfig.__dataclass_fields__.items():
-        parser.add_argument("--" + name.replace("_", "-"), type=type(field.default), default=field.default)
+    parser = flag_parser(DemoConfig, __doc__)
     cfg = DemoConfig(**vars(parser.parse_args(argv)))
     if cfg.k > cfg.experts:
         parser.error(f"--k ({cfg.k}) must be at most --experts ({cfg.experts})")
