@@ -6,12 +6,17 @@
 Shape legend: S tokens, K choices per token, M model dim, N rows of the dispatch buffer.
 `row_SK` is -1 for dropped choices; every other value is distinct and in [0, N). The backward is the
 dual op, a gather-sum: grad_x[s] = sum_j grad_buffer[row_SK[s, j]], computed by unpermute_combine with
-unit weights. No atomics anywhere, so results are deterministic.
+unit weights. Both directions are gathers (the row-to-token map is inverted first), so there are no
+atomics and results are deterministic. On CUDA the copy is a Triton kernel; elsewhere torch's
+index_select into the CPU workspace (see kernels.backend to force either).
 """
+
+import functools
 
 import torch
 
 from kernels import workspace
+from kernels.backend import block_size, use_triton
 
 __all__ = ["permute", "permute_reference"]
 
@@ -58,11 +63,57 @@ def _source_tokens(row_SK: torch.Tensor, num_rows: int) -> torch.Tensor:
     return token_N
 
 
+@functools.cache
+def _permute_kernel():
+    """The Triton kernel, built on first use so that CPU-only use never imports triton."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _permute_kernel(x_ptr, token_ptr, scale_ptr, out_ptr, n_cols, stride_xm, stride_om,
+                        HAS_SCALE: tl.constexpr, BLOCK_M: tl.constexpr):
+        # one program per (buffer row, block of columns): a gather, so no two programs write one place
+        row = tl.program_id(0).to(tl.int64)
+        offsets = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+        mask = offsets < n_cols
+        token = tl.load(token_ptr + row)
+        keep = token >= 0
+        source = tl.where(keep, token, 0)
+        values = tl.load(x_ptr + source * stride_xm + offsets, mask=mask, other=0.0).to(tl.float32)
+        values = tl.where(keep, values, 0.0)  # empty rows read token 0 (so S > 0) and write zeros
+        if HAS_SCALE:
+            values = values * tl.load(scale_ptr + row).to(tl.float32)
+        tl.store(out_ptr + row * stride_om + offsets, values.to(out_ptr.dtype.element_ty), mask=mask)
+
+    return _permute_kernel
+
+
+def _gather_rows_triton(x_SM, token_N, scale_N) -> torch.Tensor:
+    """Launch: checks, output allocation and the grid (rows x column blocks)."""
+    assert x_SM.stride(1) == 1 and token_N.is_contiguous()
+    num_rows, n_cols = token_N.shape[0], x_SM.shape[1]
+    out_NM = torch.empty(num_rows, n_cols, dtype=x_SM.dtype, device=x_SM.device)
+    if num_rows == 0 or n_cols == 0:
+        return out_NM
+    if x_SM.shape[0] == 0:
+        return out_NM.zero_()
+    BLOCK_M = block_size(n_cols)
+    grid = (num_rows, -(-n_cols // BLOCK_M))
+    scale = scale_N.contiguous() if scale_N is not None else token_N
+    _permute_kernel()[grid](x_SM, token_N, scale, out_NM, n_cols, x_SM.stride(0), out_NM.stride(0),
+                            HAS_SCALE=scale_N is not None, BLOCK_M=BLOCK_M)
+    return out_NM
+
+
 def _gather_rows(x_SM: torch.Tensor, token_N: torch.Tensor, scale_N: torch.Tensor | None) -> torch.Tensor:
-    """buffer[n] = scale[n] * x[token[n]], zero where token[n] == -1; one index_select when all rows are used."""
+    """buffer[n] = scale[n] * x[token[n]], zero where token[n] == -1 (Triton or torch)."""
+    x_SM = x_SM.contiguous()
+    if use_triton(x_SM):
+        return _gather_rows_triton(x_SM, token_N, scale_N)
     filled_N = token_N >= 0
-    if bool(filled_N.all()):
-        buffer_NM = torch.index_select(x_SM, 0, token_N, out=workspace.empty((token_N.shape[0], x_SM.shape[1]), x_SM.dtype, x_SM.device))
+    if bool(filled_N.all()):  # the packed layout: one index_select into pooled memory
+        out = workspace.empty((token_N.shape[0], x_SM.shape[1]), x_SM.dtype, x_SM.device)
+        buffer_NM = torch.index_select(x_SM, 0, token_N, out=out)
         if scale_N is not None:
             buffer_NM.mul_(scale_N.to(buffer_NM.dtype).unsqueeze(1))
         return buffer_NM

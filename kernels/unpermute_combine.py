@@ -4,14 +4,18 @@
 
 Shape legend: S tokens, K choices per token, M model dim, N rows of the dispatch buffer.
 Accumulates in fp32 and returns the buffer's dtype. The backward gives the buffer gradient (the dual
-op, permute scaled by the weights) and the weight gradient (one row dot product per choice). No
-atomics, so results are deterministic.
+op, permute scaled by the weights) and the weight gradient (one row dot product per choice). Every
+step is a gather with a fixed summation order: no atomics, deterministic. On CUDA these are Triton
+kernels; elsewhere torch index ops (see kernels.backend to force either).
 """
+
+import functools
 
 import torch
 
 from kernels import workspace
-from kernels.permute import _check, _gather_rows, _source_tokens
+from kernels.backend import block_size, use_triton
+from kernels.permute import _gather_rows, _gather_rows_triton, _source_tokens
 
 __all__ = ["unpermute_combine", "unpermute_combine_reference"]
 
@@ -52,8 +56,85 @@ def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
+@functools.cache
+def _triton_kernels():
+    """The Triton kernels, built on first use so that CPU-only use never imports triton."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _unpermute_combine_kernel(buffer_ptr, row_ptr, weight_ptr, out_ptr, n_cols, K, stride_bm, stride_om,
+                                  BLOCK_M: tl.constexpr):
+        # one program per (token, block of columns); choices summed in a fixed order, in fp32
+        token = tl.program_id(0).to(tl.int64)
+        offsets = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+        mask = offsets < n_cols
+        acc = tl.zeros([BLOCK_M], dtype=tl.float32)
+        for j in range(K):
+            row = tl.load(row_ptr + token * K + j)
+            keep = row >= 0
+            weight = tl.where(keep, tl.load(weight_ptr + token * K + j).to(tl.float32), 0.0)
+            values = tl.load(buffer_ptr + tl.where(keep, row, 0) * stride_bm + offsets, mask=mask, other=0.0)
+            acc += tl.where(keep, weight * values.to(tl.float32), 0.0)  # a dropped choice adds nothing, not 0 * nan
+        tl.store(out_ptr + token * stride_om + offsets, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _row_dot_kernel(grad_ptr, buffer_ptr, row_ptr, out_ptr, n_cols, K, stride_gm, stride_bm,
+                        BLOCK_M: tl.constexpr):
+        # one program per (token, choice): <grad_out[token], buffer[row]> in fp32, 0 when dropped
+        choice = tl.program_id(0).to(tl.int64)
+        token = choice // K
+        row = tl.load(row_ptr + choice)
+        keep = row >= 0
+        source = tl.where(keep, row, 0)
+        acc = tl.zeros([BLOCK_M], dtype=tl.float32)
+        for start in range(0, n_cols, BLOCK_M):
+            offsets = start + tl.arange(0, BLOCK_M)
+            mask = offsets < n_cols
+            g = tl.load(grad_ptr + token * stride_gm + offsets, mask=mask, other=0.0).to(tl.float32)
+            b = tl.load(buffer_ptr + source * stride_bm + offsets, mask=mask, other=0.0).to(tl.float32)
+            acc += tl.where(keep, g * b, 0.0)
+        tl.store(out_ptr + choice, tl.sum(acc, axis=0))
+
+    return _unpermute_combine_kernel, _row_dot_kernel
+
+
+def _combine_rows_triton(buffer_NM, row_SK, weight_SK) -> torch.Tensor:
+    """Launch: output allocation and the grid (tokens x column blocks)."""
+    S, K = row_SK.shape
+    n_cols = buffer_NM.shape[1]
+    out_SM = torch.empty(S, n_cols, dtype=buffer_NM.dtype, device=buffer_NM.device)
+    if S == 0 or n_cols == 0:
+        return out_SM
+    if K == 0 or buffer_NM.shape[0] == 0:  # nothing to gather (and no row 0 to read)
+        return out_SM.zero_()
+    BLOCK_M = block_size(n_cols)
+    _triton_kernels()[0][(S, -(-n_cols // BLOCK_M))](
+        buffer_NM, row_SK.contiguous(), weight_SK.contiguous(), out_SM, n_cols, K, buffer_NM.stride(0),
+        out_SM.stride(0), BLOCK_M=BLOCK_M,
+    )
+    return out_SM
+
+
+def _row_dots_triton(grad_SM, buffer_NM, row_SK) -> torch.Tensor:
+    """Launch: one program per (token, choice)."""
+    S, K = row_SK.shape
+    dots_SK = torch.zeros(S, K, dtype=torch.float32, device=buffer_NM.device)
+    if S * K == 0 or buffer_NM.shape[0] == 0:
+        return dots_SK
+    n_cols = buffer_NM.shape[1]
+    _triton_kernels()[1][(S * K,)](
+        grad_SM, buffer_NM, row_SK.contiguous(), dots_SK, n_cols, K, grad_SM.stride(0), buffer_NM.stride(0),
+        BLOCK_M=block_size(n_cols),
+    )
+    return dots_SK
+
+
 def _combine_rows(buffer_NM: torch.Tensor, row_SK: torch.Tensor, weight_SK: torch.Tensor) -> torch.Tensor:
-    """out[s] = sum_j w[s, j] * buffer[row[s, j]], one gather per choice, fp32 accumulation."""
+    """out[s] = sum_j w[s, j] * buffer[row[s, j]], fp32 accumulation (Triton, or one gather per choice)."""
+    buffer_NM = buffer_NM.contiguous()
+    if use_triton(buffer_NM):
+        return _combine_rows_triton(buffer_NM, row_SK, weight_SK)
     S, K = row_SK.shape
     acc_dtype = _accumulation_dtype(buffer_NM.dtype)
     if K == 0:
@@ -83,15 +164,21 @@ class _UnpermuteCombine(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_SM):
-        # 1. gather each row's token gradient into buffer order: g_NM[n] = grad_out[token(n)]
-        # 2. weight gradient per row: <g_NM[n], buffer[n]> (fp32), scattered back to (token, choice)
-        # 3. buffer gradient: g_NM[n] * weight(n), in place
+        # 1. the buffer gradient: grad_buffer[n] = weight(n) * grad_out[token(n)], a scaled gather
+        # 2. the weight gradient: <grad_out[s], buffer[row(s, j)]> in fp32, 0 for dropped choices
         buffer_NM, row_SK, weight_SK = ctx.saved_tensors
+        grad_SM = grad_SM.to(buffer_NM.dtype).contiguous()
         rows_P = row_SK.reshape(-1)
         kept_P = rows_P >= 0
-        token_N = _source_tokens(row_SK, buffer_NM.shape[0])
-        g_NM = _gather_rows(grad_SM.to(buffer_NM.dtype), token_N, None)
         acc_dtype = _accumulation_dtype(buffer_NM.dtype)
+        token_N = _source_tokens(row_SK, buffer_NM.shape[0])
+        scale_N = torch.zeros(buffer_NM.shape[0], dtype=acc_dtype, device=rows_P.device)
+        scale_N[rows_P[kept_P]] = weight_SK.reshape(-1)[kept_P].to(acc_dtype)
+        if use_triton(buffer_NM):
+            grad_buffer = _gather_rows_triton(grad_SM, token_N, scale_N) if ctx.needs_input_grad[0] else None
+            grad_weight = _row_dots_triton(grad_SM, buffer_NM, row_SK) if ctx.needs_input_grad[2] else None
+            return grad_buffer, None, None if grad_weight is None else grad_weight.to(weight_SK.dtype)
+        g_NM = _gather_rows(grad_SM, token_N, None)  # grad_out in buffer order, then scaled in place
         grad_weight = None
         if ctx.needs_input_grad[2]:
             # a batched product of rows, so no [N, M] temporary is allocated
@@ -99,8 +186,6 @@ class _UnpermuteCombine(torch.autograd.Function):
             grad_P = torch.zeros(rows_P.shape, dtype=acc_dtype, device=rows_P.device)
             grad_P[kept_P] = dots_N[rows_P[kept_P]]
             grad_weight = grad_P.view(row_SK.shape).to(weight_SK.dtype)
-        scale_N = torch.zeros(buffer_NM.shape[0], dtype=acc_dtype, device=rows_P.device)
-        scale_N[rows_P[kept_P]] = weight_SK.reshape(-1)[kept_P].to(acc_dtype)
         grad_buffer = g_NM.mul_(scale_N.to(g_NM.dtype).unsqueeze(1)) if ctx.needs_input_grad[0] else None
         return grad_buffer, None, grad_weight
 

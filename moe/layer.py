@@ -101,6 +101,8 @@ class MoE(nn.Module):
         top2_2nd_expert_sampling: Gumbel-sample the second expert for top-2 (training only).
         drop_policy: for k > 2, "probs" (keep the largest gates) or "position" (keep the first tokens).
         expert_compute: "auto", "packed" or "padded"; see MOELayer.
+        dropless: route every choice (implies drop_tokens=False) and pack tokens by expert with no
+            padding on every device; experts run on variable-sized groups (MegaBlocks-style).
 
     After each forward, `z_loss` holds the router z-loss (ST-MoE) of that forward, and
     `deepspeed_moe.routing` the full Routing plan.
@@ -112,6 +114,7 @@ class MoE(nn.Module):
         use_residual: bool = False, noisy_gate_policy: str | None = None, drop_tokens: bool = True,
         use_rts: bool = True, use_tutel: bool = False, enable_expert_tensor_parallelism: bool = False,
         top2_2nd_expert_sampling: bool = True, *, drop_policy: str = "probs", expert_compute: str = "auto",
+        dropless: bool = False,
     ):
         super().__init__()
         if isinstance(ep_size, bool) or not isinstance(ep_size, int) or ep_size < 1:
@@ -126,6 +129,10 @@ class MoE(nn.Module):
             raise ValueError("enable_expert_tensor_parallelism=True is not supported; use False")
         if use_tutel:
             warnings.warn("use_tutel has no effect: dispatch is always index based", stacklevel=2)
+        if dropless:
+            if expert_compute == "padded":
+                raise ValueError("dropless=True packs tokens without padding; expert_compute must be 'auto' or 'packed'")
+            drop_tokens, expert_compute = False, "packed"
         gate = TopKGate(
             hidden_size, num_experts, k, capacity_factor, eval_capacity_factor, min_capacity,
             noisy_gate_policy, drop_tokens, use_rts, None, top2_2nd_expert_sampling, drop_policy,
@@ -136,6 +143,7 @@ class MoE(nn.Module):
         self.num_local_experts = num_experts // ep_size
         self.expert_group_name = f"ep_size_{ep_size}"
         self.use_residual = use_residual
+        self.dropless = dropless
         self.enable_expert_tensor_parallelism = enable_expert_tensor_parallelism
         experts = Experts(expert, self.num_local_experts, self.expert_group_name)
         self.deepspeed_moe = MOELayer(

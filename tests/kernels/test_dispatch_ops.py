@@ -1,8 +1,9 @@
 """permute and unpermute_combine against their torch references: forward, every gradient, gradcheck.
 
 Index layouts cover no tokens, one token, K = 1..3, dropped choices, empty buffer rows (padded
-layout) and non-power-of-two widths. Tolerances: fp32 1e-5; bf16 against the fp32 reference cast to
-bf16, 1e-2.
+layout) and non-power-of-two widths. Every test runs on the torch path and on the Triton kernels
+(interpreted on CPU, compiled on CUDA). Tolerances: fp32 1e-5; bf16 and fp16 against the fp32
+reference cast to the dtype, 1e-2.
 """
 
 import pytest
@@ -50,7 +51,7 @@ CASES = [
 
 
 @pytest.mark.parametrize("S,K,M,E,C,drop,packed", CASES)
-def test_permute_matches_reference_forward_and_backward(S, K, M, E, C, drop, packed):
+def test_permute_matches_reference_forward_and_backward(S, K, M, E, C, drop, packed, kernel_backend):
     row_SK, num_rows = _layout(S, K, E, C, drop, seed=S + K, packed=packed)
     x = torch.randn(S, M, requires_grad=True)
     x_ref = x.detach().clone().requires_grad_()
@@ -64,7 +65,7 @@ def test_permute_matches_reference_forward_and_backward(S, K, M, E, C, drop, pac
 
 
 @pytest.mark.parametrize("S,K,M,E,C,drop,packed", CASES)
-def test_unpermute_combine_matches_reference_forward_and_backward(S, K, M, E, C, drop, packed):
+def test_unpermute_combine_matches_reference_forward_and_backward(S, K, M, E, C, drop, packed, kernel_backend):
     row_SK, num_rows = _layout(S, K, E, C, drop, seed=S * 3 + K, packed=packed)
     buffer = torch.randn(num_rows, M, requires_grad=True)
     weight = torch.rand(S, K, requires_grad=True)
@@ -82,7 +83,7 @@ def test_unpermute_combine_matches_reference_forward_and_backward(S, K, M, E, C,
         assert bool((weight.grad[row_SK < 0] == 0).all()), "dropped choices get no weight gradient"
 
 
-def test_references_and_ops_pass_gradcheck_in_float64():
+def test_references_and_ops_pass_gradcheck_in_float64(kernel_backend):
     row_SK, num_rows = _layout(6, 2, 3, 3, 0.25, seed=7, packed=False)
     x = torch.randn(6, 5, dtype=torch.float64, requires_grad=True)
     buffer = torch.randn(num_rows, 5, dtype=torch.float64, requires_grad=True)
@@ -93,19 +94,29 @@ def test_references_and_ops_pass_gradcheck_in_float64():
         assert torch.autograd.gradcheck(lambda b, w: fn(b, row_SK, w), (buffer, weight))
 
 
-def test_bf16_combine_accumulates_in_fp32():
-    row_SK, num_rows = _layout(24, 2, 4, 8, 0.1, seed=1, packed=True)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_accumulates_in_fp32(dtype, kernel_backend):
+    row_SK, num_rows = _layout(24, 2, 4, 8, 0.1, seed=1, packed=False)
     buffer = torch.randn(num_rows, 40)
     weight = torch.rand(24, 2)
-    out = unpermute_combine(buffer.bfloat16(), row_SK, weight)
-    assert out.dtype == torch.bfloat16
-    expected = unpermute_combine_reference(buffer.bfloat16().float(), row_SK, weight).bfloat16()
+    out = unpermute_combine(buffer.to(dtype), row_SK, weight)
+    assert out.dtype == dtype
+    expected = unpermute_combine_reference(buffer.to(dtype).float(), row_SK, weight).to(dtype)
     torch.testing.assert_close(out, expected, **BF16)
     x = torch.randn(24, 40)
-    torch.testing.assert_close(permute(x.bfloat16(), row_SK, num_rows), permute_reference(x, row_SK, num_rows).bfloat16(), **BF16)
+    torch.testing.assert_close(permute(x.to(dtype), row_SK, num_rows), permute_reference(x, row_SK, num_rows).to(dtype), **BF16)
+    buffer_h = buffer.to(dtype).requires_grad_()
+    weight_h = weight.clone().requires_grad_()
+    grad = torch.randn(24, 40)
+    unpermute_combine(buffer_h, row_SK, weight_h).backward(grad.to(dtype))
+    buffer_f = buffer.to(dtype).float().requires_grad_()
+    weight_f = weight.clone().requires_grad_()
+    unpermute_combine_reference(buffer_f, row_SK, weight_f).backward(grad.to(dtype).float())
+    torch.testing.assert_close(buffer_h.grad.float(), buffer_f.grad, **BF16)
+    torch.testing.assert_close(weight_h.grad, weight_f.grad, **BF16)
 
 
-def test_empty_rows_are_zero_and_results_deterministic():
+def test_empty_rows_are_zero_and_results_deterministic(kernel_backend):
     row_SK, num_rows = _layout(10, 2, 4, 6, 0.0, seed=2, packed=False)
     x = torch.randn(10, 12)
     buffer = permute(x, row_SK, num_rows)

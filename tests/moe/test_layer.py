@@ -272,3 +272,60 @@ def test_deepcopy_per_expert_keeps_the_callers_module():
     layer = MoE(8, expert, num_experts=2, use_residual=True)
     assert layer.mlp is expert
     assert all(torch.equal(before[k], v) for k, v in expert.state_dict().items())
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_dropless_equals_capacity_path_that_drops_nothing(k):
+    torch.manual_seed(11)
+    expert = _mlp()
+    kwargs = dict(num_experts=4, k=k, min_capacity=0, top2_2nd_expert_sampling=False, use_rts=False)
+    roomy = MoE(8, expert, capacity_factor=8.0, expert_compute="padded", **kwargs)
+    dropless = MoE(8, expert, capacity_factor=0.1, dropless=True, **kwargs)
+    dropless.load_state_dict(roomy.state_dict())
+    x = torch.randn(40, 8, requires_grad=True)
+    x2 = x.detach().clone().requires_grad_()
+    out, l_aux, counts = roomy(x)
+    out2, l_aux2, counts2 = dropless(x2)
+    assert bool(dropless.deepspeed_moe.routing.kept_SK.all()) and bool(roomy.deepspeed_moe.routing.kept_SK.all())
+    torch.testing.assert_close(out, out2, **FP32)
+    torch.testing.assert_close(l_aux, l_aux2, **FP32)
+    assert torch.equal(counts, counts2)
+    (out.sum() + l_aux).backward()
+    (out2.sum() + l_aux2).backward()
+    torch.testing.assert_close(x.grad, x2.grad, **FP32)
+    for p, p2 in zip(roomy.parameters(), dropless.parameters()):
+        torch.testing.assert_close(p.grad, p2.grad, **FP32)
+
+
+def test_dropless_never_drops_even_with_skewed_routing():
+    torch.manual_seed(12)
+    layer = MoE(8, _mlp(), num_experts=4, k=2, capacity_factor=0.01, dropless=True)
+    with torch.no_grad():
+        layer.deepspeed_moe.gate.wg.weight[0].fill_(5.0)  # almost every token's first choice is expert 0
+    x = torch.rand(64, 8)
+    out, _, counts = layer(x)
+    assert bool(layer.deepspeed_moe.routing.kept_SK.all()) and int(counts.sum()) == 128
+    torch.testing.assert_close(out, _reference(layer, x), **FP32)
+    with pytest.raises(ValueError, match="dropless=True"):
+        MoE(8, _mlp(), num_experts=4, dropless=True, expert_compute="padded")
+
+
+@pytest.mark.parametrize("compute", ["packed", "padded"])
+def test_layer_on_triton_kernels_equals_torch_path(compute, monkeypatch):
+    torch.manual_seed(13)
+    layer = MoE(8, _mlp(8, 12), num_experts=4, k=2, capacity_factor=0.75, min_capacity=0,
+                top2_2nd_expert_sampling=False, expert_compute=compute)
+    x = torch.randn(20, 8)
+    results = []
+    for backend in ("torch", "triton"):
+        monkeypatch.setenv("MOE_KERNELS", backend)
+        layer.zero_grad()
+        xb = x.clone().requires_grad_()
+        out, l_aux, _ = layer(xb)
+        (out.square().sum() + l_aux).backward()
+        results.append((out.detach(), xb.grad, [p.grad.clone() for p in layer.parameters()]))
+    (out, gx, grads), (out2, gx2, grads2) = results
+    torch.testing.assert_close(out, out2, **FP32)
+    torch.testing.assert_close(gx, gx2, **FP32)
+    for g, g2 in zip(grads, grads2):
+        torch.testing.assert_close(g, g2, **FP32)
