@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels import expert_positions
+
 __all__ = ["Routing", "assign_slots"]
 
 
@@ -95,14 +97,12 @@ def assign_slots(
     Returns:
         slot_P: int64, shape [P], -1 for dropped choices.
     """
-    routed = expert_P >= 0
-    bucket_P = torch.where(routed, expert_P, num_experts)  # choices routed nowhere share one extra bucket
     if priority_P is not None:
+        routed = expert_P >= 0
+        bucket_P = torch.where(routed, expert_P, num_experts)  # choices routed nowhere share one extra bucket
         by_priority = torch.argsort(priority_P, descending=True, stable=True)
         order = by_priority[torch.argsort(bucket_P[by_priority], stable=True)]
         kept = routed & (_positions(bucket_P, order, num_experts + 1) < capacity)
-        bucket_P = torch.where(kept, expert_P, num_experts)
-    order = torch.argsort(bucket_P, stable=True)
-    slot_P = _positions(bucket_P, order, num_experts + 1)
-    kept = (bucket_P < num_experts) & (slot_P < capacity)
-    return torch.where(kept, slot_P, -1)
+        expert_P = torch.where(kept, expert_P, -1)
+    _, slot_P = expert_positions(expert_P, num_experts)
+    return torch.where(slot_P < capacity, slot_P, -1)

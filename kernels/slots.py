@@ -1,0 +1,116 @@
+"""Routing to slots: from the expert of every choice to its row of the dispatch buffer.
+
+    counts_E[e]   = number of choices routed to expert e (before dropping)
+    position_P[p] = how many earlier choices (in fill order) went to the same expert
+    capacity layout (capacity = C): row = e * C + position if position < C, else -1 (dropped)
+    dropless layout (capacity = None): row = offsets_E[e] + position, offsets_E = exclusive cumsum of counts
+
+Shape legend: P choices in fill order (the caller flattens [S, K] token-major, or choice-major for
+top-2's "first choices before second choices"), E experts. Choices with expert -1 go nowhere. The
+Triton kernel runs one program per expert scanning the choices block by block with a running
+prefix sum: no atomics, so positions are deterministic.
+"""
+
+import functools
+
+import torch
+
+from kernels.backend import use_triton
+
+__all__ = ["expert_positions", "expert_positions_reference", "route"]
+
+
+def expert_positions_reference(expert_P: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The specification: counts per expert and each choice's position among its expert's choices.
+
+    Args:
+        expert_P: int64 expert per choice in fill order, shape [P]; -1 for choices routed nowhere.
+        num_experts: E.
+
+    Returns:
+        counts_E: int64, shape [E]; position_P: int64, shape [P], -1 where expert_P is -1.
+    """
+    routed = expert_P >= 0
+    bucket_P = torch.where(routed, expert_P, num_experts)
+    order = torch.argsort(bucket_P, stable=True)
+    counts = torch.bincount(bucket_P, minlength=num_experts + 1)
+    starts = torch.cumsum(counts, 0) - counts
+    ranks_sorted = torch.arange(expert_P.numel(), device=expert_P.device) - starts[bucket_P[order]]
+    position_P = torch.empty_like(ranks_sorted)
+    position_P[order] = ranks_sorted
+    return counts[:num_experts], torch.where(routed, position_P, -1)
+
+
+@functools.cache
+def _expert_positions_kernel():
+    """The Triton kernel, built on first use so that CPU-only use never imports triton."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _expert_positions_kernel(expert_ptr, position_ptr, counts_ptr, n_choices, BLOCK_P: tl.constexpr):
+        # one program per expert: a running prefix sum over the choices that chose it
+        expert = tl.program_id(0)
+        seen = tl.zeros([], dtype=tl.int64)
+        for start in range(0, n_choices, BLOCK_P):
+            offsets = start + tl.arange(0, BLOCK_P)
+            mask = offsets < n_choices
+            chosen = tl.load(expert_ptr + offsets, mask=mask, other=-1) == expert
+            ranks = tl.cumsum(chosen.to(tl.int64), axis=0) - 1 + seen
+            tl.store(position_ptr + offsets, ranks, mask=mask & chosen)
+            seen += tl.sum(chosen.to(tl.int64), axis=0)
+        tl.store(counts_ptr + expert, seen)
+
+    return _expert_positions_kernel
+
+
+def expert_positions(expert_P: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Counts per expert and each choice's position in fill order (Triton on CUDA, torch elsewhere).
+
+    Args:
+        expert_P: int64 expert per choice in fill order, shape [P]; -1 for choices routed nowhere.
+        num_experts: E.
+
+    Returns:
+        counts_E: int64, shape [E]; position_P: int64, shape [P], -1 where expert_P is -1.
+
+    Raises:
+        ValueError: if expert_P is not a 1-D int64 tensor or holds an expert >= num_experts.
+    """
+    if expert_P.dim() != 1 or expert_P.dtype != torch.int64:
+        raise ValueError(f"expert_P must be a 1-D int64 tensor, got {expert_P.dtype} {list(expert_P.shape)}")
+    if expert_P.numel() and int(expert_P.max()) >= num_experts:
+        raise ValueError(f"expert_P holds expert {int(expert_P.max())}, but num_experts is {num_experts}")
+    if not use_triton(torch.empty(0, device=expert_P.device)):
+        return expert_positions_reference(expert_P, num_experts)
+    expert_P = expert_P.contiguous()
+    position_P = torch.full_like(expert_P, -1)
+    counts_E = torch.zeros(num_experts, dtype=torch.int64, device=expert_P.device)
+    if num_experts:
+        _expert_positions_kernel()[(num_experts,)](expert_P, position_P, counts_E, expert_P.numel(), BLOCK_P=1024)
+    return counts_E, position_P
+
+
+def route(
+    expert_P: torch.Tensor, num_experts: int, capacity: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Buffer rows for both layouts.
+
+    Args:
+        expert_P: int64 expert per choice in fill order, shape [P]; -1 for choices routed nowhere.
+        num_experts: E.
+        capacity: C for the capacity layout ([E, C] rows, choices at positions >= C dropped), or None
+            for the dropless layout (packed rows, nothing dropped).
+
+    Returns:
+        counts_E: choices per expert before dropping; offsets_E: each expert's first row;
+        row_P: int64 buffer row per choice, -1 where dropped or routed nowhere.
+    """
+    counts_E, position_P = expert_positions(expert_P, num_experts)
+    expert = expert_P.clamp(min=0)
+    if capacity is None:
+        offsets_E = torch.cumsum(counts_E, 0) - counts_E
+        return counts_E, offsets_E, torch.where(position_P >= 0, offsets_E[expert] + position_P, -1)
+    offsets_E = torch.arange(num_experts, device=expert_P.device) * capacity
+    kept = (position_P >= 0) & (position_P < capacity)
+    return counts_E, offsets_E, torch.where(kept, offsets_E[expert] + position_P, -1)

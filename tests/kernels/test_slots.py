@@ -1,0 +1,34 @@
+"""route and expert_positions: the Triton kernel against the torch reference, compared exactly."""
+
+import pytest
+import torch
+
+from kernels import expert_positions, expert_positions_reference, route
+
+
+@pytest.mark.parametrize("P,E,unrouted", [(0, 4, 0.0), (1, 1, 0.0), (37, 5, 0.2), (1500, 8, 0.1), (64, 16, 0.0)])
+def test_positions_match_reference(P, E, unrouted, kernel_backend):
+    g = torch.Generator().manual_seed(P + E)
+    expert_P = torch.randint(0, max(E // 2, 1), (P,), generator=g)  # some experts stay empty
+    expert_P[torch.rand(P, generator=g) < unrouted] = -1
+    counts, positions = expert_positions(expert_P, E)
+    ref_counts, ref_positions = expert_positions_reference(expert_P, E)
+    assert torch.equal(counts, ref_counts) and torch.equal(positions, ref_positions)
+
+
+def test_positions_follow_fill_order():
+    counts, positions = expert_positions_reference(torch.tensor([2, 0, 2, -1, 2, 0]), 3)
+    assert counts.tolist() == [2, 0, 3]
+    assert positions.tolist() == [0, 0, 1, -1, 2, 1]
+
+
+def test_route_layouts(kernel_backend):
+    expert_P = torch.tensor([1, 1, 0, 1, -1, 0, 1])
+    counts, offsets, rows = route(expert_P, 3, capacity=2)
+    assert counts.tolist() == [2, 4, 0] and offsets.tolist() == [0, 2, 4]
+    assert rows.tolist() == [2, 3, 0, -1, -1, 1, -1]
+    counts, offsets, rows = route(expert_P, 3)
+    assert offsets.tolist() == [0, 2, 6]
+    assert rows.tolist() == [2, 3, 0, 4, -1, 1, 5]
+    with pytest.raises(ValueError, match="holds expert 3, but num_experts is 3"):
+        route(torch.tensor([3]), 3)
