@@ -110,19 +110,16 @@ def _gather_rows(x_SM: torch.Tensor, token_N: torch.Tensor, scale_N: torch.Tenso
     x_SM = x_SM.contiguous()
     if use_triton(x_SM):
         return _gather_rows_triton(x_SM, token_N, scale_N)
-    filled_N = token_N >= 0
-    if bool(filled_N.all()):  # the packed layout: one index_select into pooled memory
-        out = workspace.empty((token_N.shape[0], x_SM.shape[1]), x_SM.dtype, x_SM.device)
-        buffer_NM = torch.index_select(x_SM, 0, token_N, out=out)
-        if scale_N is not None:
-            buffer_NM.mul_(scale_N.to(buffer_NM.dtype).unsqueeze(1))
-        return buffer_NM
-    buffer_NM = x_SM.new_zeros(token_N.shape[0], x_SM.shape[1])
-    rows = filled_N.nonzero().squeeze(1)
-    values = x_SM.index_select(0, token_N[rows])
+    out = workspace.empty((token_N.shape[0], x_SM.shape[1]), x_SM.dtype, x_SM.device)
+    if x_SM.shape[0] == 0:
+        return out.zero_()
+    buffer_NM = torch.index_select(x_SM, 0, token_N.clamp(min=0), out=out)
     if scale_N is not None:
-        values.mul_(scale_N[rows].to(values.dtype).unsqueeze(1))
-    return buffer_NM.index_copy_(0, rows, values)
+        buffer_NM.mul_(scale_N.to(buffer_NM.dtype).unsqueeze(1))
+    empty_N = (token_N < 0).nonzero().squeeze(1)
+    if empty_N.numel():  # the padded layout: rows no choice points at are zero
+        buffer_NM.index_fill_(0, empty_N, 0)
+    return buffer_NM
 
 
 class _Permute(torch.autograd.Function):

@@ -14,3 +14,12 @@ def test_benchmark_prints_figures(capsys):
     out = capsys.readouterr().out
     assert "tokens/s" in out and "expert matmuls alone" in out
     assert results["ours"]["ms"] > 0 and results["ours"]["matmul_ms"] > 0
+
+
+def test_kernel_benchmark_prints_bandwidth(capsys):
+    from recipes import bench_kernels
+
+    bench_kernels.main(["--tokens", "64", "--hidden", "32", "--experts", "4", "--steps", "1", "--warmup", "0",
+                        "--dtype", "fp32", "--device", "cpu"])
+    out = capsys.readouterr().out
+    assert "GB/s" in out and "permute (torch)" in out and "% of copy" in out

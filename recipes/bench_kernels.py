@@ -1,0 +1,121 @@
+"""Benchmark the dispatch ops against their torch paths, their references and a plain copy.
+
+    python -m recipes.bench_kernels --tokens 16384 --k 2 --hidden 4096 --dtype bf16     # on a GPU
+    python -m recipes.bench_kernels --tokens 4096 --hidden 1024 --dtype fp32           # on a CPU
+
+For permute and unpermute_combine (forward), prints ms, achieved bandwidth (bytes read + written
+over time) and its fraction of a device-to-device copy of the same bytes, for: the Triton kernel
+(CUDA only; on a CPU the interpreter's timings mean nothing), the torch path, and the reference.
+Then it times one MoE layer forward+backward with kernels and on the torch path (CUDA only).
+"""
+
+import os
+import statistics
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+from torch import nn
+
+from kernels import permute, permute_reference, route, unpermute_combine, unpermute_combine_reference
+from moe import MoE
+from recipes.cli import flag_parser
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(kw_only=True)
+class KernelBenchConfig:
+    tokens: int = 16384
+    k: int = 2
+    hidden: int = 4096
+    experts: int = 8
+    capacity_factor: float = 1.25
+    dtype: str = "bf16" if torch.cuda.is_available() else "fp32"
+    steps: int = 20
+    warmup: int = 5
+    device: str = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _time(fn, cfg: KernelBenchConfig, device) -> float:
+    """Median ms over cfg.steps calls after cfg.warmup."""
+    times = []
+    for step in range(cfg.warmup + cfg.steps):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        if step >= cfg.warmup:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
+
+
+def _with_backend(backend: str, fn):
+    def run():
+        previous = os.environ.get("MOE_KERNELS")
+        os.environ["MOE_KERNELS"] = backend
+        try:
+            return fn()
+        finally:
+            if previous is None:
+                os.environ.pop("MOE_KERNELS")
+            else:
+                os.environ["MOE_KERNELS"] = previous
+    return run
+
+
+def _report(name: str, ms: float, nbytes: int, copy_gbs: float) -> None:
+    gbs = nbytes / ms / 1e6
+    print(f"{name:<32} {ms:9.3f} ms {gbs:9.1f} GB/s  {100 * gbs / copy_gbs:6.1f}% of copy")
+
+
+def main(argv=None) -> None:
+    cfg = KernelBenchConfig(**vars(flag_parser(KernelBenchConfig, __doc__).parse_args(argv)))
+    print("config:", asdict(cfg))
+    device, dtype = torch.device(cfg.device), DTYPES[cfg.dtype]
+    S, K, M, E = cfg.tokens, cfg.k, cfg.hidden, cfg.experts
+    torch.manual_seed(0)
+    capacity = -(-int(S * K * cfg.capacity_factor) // E)
+    expert_SK = torch.argsort(torch.rand(S, E, device=device), 1)[:, :K]  # K distinct experts per token
+    _, _, row_P = route(expert_SK.reshape(-1), E, capacity)
+    row_SK = row_P.view(S, K)
+    N = E * capacity
+    x = torch.randn(S, M, device=device, dtype=dtype)
+    buffer = torch.randn(N, M, device=device, dtype=dtype)
+    weight = torch.rand(S, K, device=device)
+    element = x.element_size()
+    kept = int((row_SK >= 0).sum())
+    permute_bytes = (kept + N) * M * element  # read each routed row, write every buffer row
+    combine_bytes = (kept + S) * M * element  # read each routed row, write every token
+    src = torch.ones(permute_bytes // 2, dtype=torch.uint8, device=device)
+    dst = torch.ones_like(src)  # both touched first, so the copy measures memory, not page faults
+    copy_ms = _time(lambda: dst.copy_(src), cfg, device)
+    copy_gbs = 2 * src.numel() / copy_ms / 1e6
+    print(f"{'copy':<32} {copy_ms:9.3f} ms {copy_gbs:9.1f} GB/s")
+    backends = (["triton"] if device.type == "cuda" else []) + ["torch"]
+    for backend in backends:
+        run = _with_backend(backend, lambda: permute(x, row_SK, N))
+        _report(f"permute ({backend})", _time(run, cfg, device), permute_bytes, copy_gbs)
+    _report("permute (reference)", _time(lambda: permute_reference(x, row_SK, N), cfg, device), permute_bytes, copy_gbs)
+    for backend in backends:
+        run = _with_backend(backend, lambda: unpermute_combine(buffer, row_SK, weight))
+        _report(f"unpermute_combine ({backend})", _time(run, cfg, device), combine_bytes, copy_gbs)
+    reference = lambda: unpermute_combine_reference(buffer, row_SK, weight)  # noqa: E731
+    _report("unpermute_combine (reference)", _time(reference, cfg, device), combine_bytes, copy_gbs)
+    if device.type == "cuda":
+        expert = nn.Sequential(nn.Linear(M, 4 * M), nn.GELU(), nn.Linear(4 * M, M))
+        layer = MoE(M, expert, num_experts=E, k=K, capacity_factor=cfg.capacity_factor).to(device, dtype)
+        grad = torch.randn_like(x)
+
+        def step():
+            out, l_aux, _ = layer(x)
+            torch.autograd.backward([out, l_aux], [grad, torch.ones_like(l_aux)])
+
+        for backend in backends:
+            print(f"{'MoE layer fwd+bwd (' + backend + ')':<32} {_time(_with_backend(backend, step), cfg, device):9.3f} ms")
+
+
+if __name__ == "__main__":
+    main()
