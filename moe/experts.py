@@ -8,8 +8,9 @@ expert on that expert's rows. A plain MLP (Linear, elementwise activation, Linea
 stacked weights, weight1 [L, H, M], bias1 [L, H], weight2 [L, M, H], bias2 [L, M], and run without a
 module call per expert, in one of two layouts:
 
-- packed: rows sorted by expert with no padding; products per expert on its slice, so empty capacity
-  slots cost nothing (`moe.grouped_mlp`).
+- packed: rows sorted by expert with no padding; products per expert on its slice, or one grouped
+  GEMM for all experts (torch's, where it runs), so empty capacity slots cost nothing
+  (`moe.grouped_mlp`).
 - padded: the [L, C, M] capacity buffer, batched products (`baddbmm`); no host sync, suits GPUs.
 
 Both equal the per-module loop. State dicts load either way: a stacked layer accepts the per-expert
@@ -100,13 +101,14 @@ class Experts(nn.Module):
             tag_expert_parameters(self.parameters(), expert_group_name)
         self._register_load_state_dict_pre_hook(self._convert_state_dict)
 
-    def forward(self, buffer_NM: torch.Tensor, counts: list[int] | None = None) -> torch.Tensor:
+    def forward(self, buffer_NM: torch.Tensor, counts: list[int] | None = None, grouped_mm: bool = False) -> torch.Tensor:
         """Run every expert on its rows.
 
         Args:
             buffer_NM: rows sorted by expert, shape [N, M]: packed (N = sum(counts)) when counts is
                 given, else the padded capacity buffer (N = L * C).
             counts: rows per local expert for the packed layout, a list of L ints.
+            grouped_mm: for stacked experts on packed rows, use torch's grouped GEMM where it runs.
 
         Returns:
             y_NM: the experts' outputs, shape [N, M_out].
@@ -124,7 +126,8 @@ class Experts(nn.Module):
             raise ValueError(f"counts {counts} must have {self.num_local_experts} entries summing to {buffer_NM.shape[0]}")
         if self.stacked:
             return grouped_mlp(
-                buffer_NM, self.weight1, self.bias1, self.weight2, self.bias2, counts, self.activation, self.approximate
+                buffer_NM, self.weight1, self.bias1, self.weight2, self.bias2, counts, self.activation,
+                self.approximate, grouped_mm,
             )
         outputs = []
         for expert, chunk in zip(self.deepspeed_experts, torch.split(buffer_NM, counts)):

@@ -25,7 +25,7 @@ from moe.routing import Routing
 
 __all__ = ["MoE", "MOELayer"]
 
-EXPERT_COMPUTE = ("auto", "packed", "padded")
+EXPERT_COMPUTE = ("auto", "packed", "grouped", "padded")
 
 
 def _rows(routing: Routing, packed: bool) -> tuple[torch.Tensor, int, list[int] | None]:
@@ -51,8 +51,10 @@ class MOELayer(nn.Module):
         ep_group_name: name of the expert-parallel group ("ep_size_<n>").
         ep_size: expert-parallel size.
         num_local_experts: L.
-        expert_compute: "packed", "padded" or "auto" (packed on CPU, where empty slots would cost
-            matrix-product time; padded elsewhere, where it avoids a host sync).
+        expert_compute: "packed" (rows sorted by expert, no padding, products per expert), "grouped"
+            (the same rows, one grouped GEMM per layer where torch has one), "padded" (the capacity
+            buffer, batched products, no host sync) or "auto": packed on CPU, where empty slots would
+            cost product time; elsewhere padded when dropping and grouped when dropless.
     """
 
     def __init__(self, gate: TopKGate, experts: Experts, ep_group_name: str, ep_size: int, num_local_experts: int,
@@ -68,12 +70,20 @@ class MOELayer(nn.Module):
         self.expert_compute = expert_compute
         self.l_aux = self.exp_counts = self.z_loss = self.routing = None
 
+    def _compute(self, device: torch.device) -> str:
+        """The expert layout for this forward: "auto" resolves by device and by dropping."""
+        if self.expert_compute != "auto":
+            return self.expert_compute
+        if device.type == "cpu":
+            return "packed"
+        return "padded" if self.gate.config.drop_tokens else "grouped"
+
     def forward(self, x_SM: torch.Tensor, used_token: torch.Tensor | None = None) -> torch.Tensor:
         routing = self.gate(x_SM, used_token)
-        packed = self.expert_compute == "packed" or (self.expert_compute == "auto" and x_SM.device.type == "cpu")
-        row_SK, num_rows, counts = _rows(routing, packed)
+        compute = self._compute(x_SM.device)
+        row_SK, num_rows, counts = _rows(routing, compute != "padded")
         buffer_NM = permute(x_SM, row_SK, num_rows)
-        y_NM = self.experts(buffer_NM, counts)
+        y_NM = self.experts(buffer_NM, counts, grouped_mm=compute == "grouped")
         out_SM = unpermute_combine(y_NM, row_SK, routing.weight_SK)
         self.routing, self.l_aux, self.exp_counts, self.z_loss = routing, routing.l_aux, routing.exp_counts, routing.z_loss
         return out_SM
@@ -100,7 +110,7 @@ class MoE(nn.Module):
         enable_expert_tensor_parallelism: must be False (expert tensor parallelism is not supported).
         top2_2nd_expert_sampling: Gumbel-sample the second expert for top-2 (training only).
         drop_policy: for k > 2, "probs" (keep the largest gates) or "position" (keep the first tokens).
-        expert_compute: "auto", "packed" or "padded"; see MOELayer.
+        expert_compute: "auto", "packed", "grouped" or "padded"; see MOELayer.
         dropless: route every choice (implies drop_tokens=False) and pack tokens by expert with no
             padding on every device; experts run on variable-sized groups (MegaBlocks-style).
 
@@ -131,8 +141,10 @@ class MoE(nn.Module):
             warnings.warn("use_tutel has no effect: dispatch is always index based", stacklevel=2)
         if dropless:
             if expert_compute == "padded":
-                raise ValueError("dropless=True packs tokens without padding; expert_compute must be 'auto' or 'packed'")
-            drop_tokens, expert_compute = False, "packed"
+                raise ValueError(
+                    "dropless=True packs tokens without padding; expert_compute must be 'auto', 'packed' or 'grouped'"
+                )
+            drop_tokens = False
         gate = TopKGate(
             hidden_size, num_experts, k, capacity_factor, eval_capacity_factor, min_capacity,
             noisy_gate_policy, drop_tokens, use_rts, None, top2_2nd_expert_sampling, drop_policy,

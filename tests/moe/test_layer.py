@@ -329,3 +329,28 @@ def test_layer_on_triton_kernels_equals_torch_path(compute, monkeypatch):
     torch.testing.assert_close(gx, gx2, **FP32)
     for g, g2 in zip(grads, grads2):
         torch.testing.assert_close(g, g2, **FP32)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_grouped_gemm_path_equals_per_expert_products(bias):
+    from moe.grouped_mlp import grouped_mm_supported
+
+    if not grouped_mm_supported(torch.device("cpu"), torch.float32):
+        pytest.skip("this torch has no grouped GEMM on CPU")
+    torch.manual_seed(14)
+    expert = _mlp(8, 16, nn.GELU, bias=bias)
+    kwargs = dict(num_experts=4, k=2, dropless=True, top2_2nd_expert_sampling=False)
+    grouped = MoE(8, expert, expert_compute="grouped", **kwargs)
+    packed = MoE(8, expert, expert_compute="packed", **kwargs)
+    with torch.no_grad():
+        for p in grouped.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    packed.load_state_dict(grouped.state_dict())
+    x = torch.randn(30, 8)
+    out, l_aux, _ = grouped(x)
+    out2, l_aux2, _ = packed(x)
+    torch.testing.assert_close(out, out2, **FP32)
+    (out.square().sum() + l_aux).backward()
+    (out2.square().sum() + l_aux2).backward()
+    for (name, p), p2 in zip(grouped.named_parameters(), packed.parameters()):
+        torch.testing.assert_close(p.grad, p2.grad, **FP32, msg=name)
