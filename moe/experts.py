@@ -9,7 +9,7 @@ stacked weights, weight1 [L, H, M], bias1 [L, H], weight2 [L, M, H], bias2 [L, M
 module call per expert, in one of two layouts:
 
 - packed: rows sorted by expert with no padding; products per expert on its slice, or one grouped
-  GEMM for all experts (torch's, where it runs), so empty capacity slots cost nothing
+  GEMM for all experts (`kernels.grouped_gemm`), so empty capacity slots cost nothing
   (`moe.grouped_mlp`).
 - padded: the [L, C, M] capacity buffer, batched products (`baddbmm`); no host sync, suits GPUs.
 
@@ -101,14 +101,14 @@ class Experts(nn.Module):
             tag_expert_parameters(self.parameters(), expert_group_name)
         self._register_load_state_dict_pre_hook(self._convert_state_dict)
 
-    def forward(self, buffer_NM: torch.Tensor, counts: list[int] | None = None, grouped_mm: bool = False) -> torch.Tensor:
+    def forward(self, buffer_NM: torch.Tensor, counts: list[int] | None = None, grouped_gemm: bool = False) -> torch.Tensor:
         """Run every expert on its rows.
 
         Args:
             buffer_NM: rows sorted by expert, shape [N, M]: packed (N = sum(counts)) when counts is
                 given, else the padded capacity buffer (N = L * C).
             counts: rows per local expert for the packed layout, a list of L ints.
-            grouped_mm: for stacked experts on packed rows, use torch's grouped GEMM where it runs.
+            grouped_gemm: for stacked experts on packed rows, one grouped GEMM per layer.
 
         Returns:
             y_NM: the experts' outputs, shape [N, M_out].
@@ -127,7 +127,7 @@ class Experts(nn.Module):
         if self.stacked:
             return grouped_mlp(
                 buffer_NM, self.weight1, self.bias1, self.weight2, self.bias2, counts, self.activation,
-                self.approximate, grouped_mm,
+                self.approximate, grouped_gemm,
             )
         outputs = []
         for expert, chunk in zip(self.deepspeed_experts, torch.split(buffer_NM, counts)):

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import workspace
+from kernels import grouped_mm, grouped_mm_t
 
 __all__ = ["ACTIVATIONS", "grouped_mlp", "linear"]
 
@@ -210,74 +211,53 @@ class _GroupedMLP(torch.autograd.Function):
         return grad_x_NM, grad_w1, grad_b1, grad_w2, grad_b2, None, None
 
 
-class _GroupedMMMLP(torch.autograd.Function):
-    """The same MLP with torch's grouped GEMM: one product per layer for all experts, no Python loop."""
+class _GroupedGemmMLP(torch.autograd.Function):
+    """The same MLP with a grouped GEMM (kernels.grouped_gemm): one product per layer for all experts."""
 
     @staticmethod
-    def forward(ctx, x_NM, weight1, bias1, weight2, bias2, counts_L, activation):
+    def forward(ctx, x_NM, weight1, bias1, weight2, bias2, counts, activation):
         name, approximate = activation
-        offsets_L = torch.cumsum(counts_L, 0).to(torch.int32)  # each expert's end row
-        expert_N = torch.repeat_interleave(torch.arange(len(counts_L), device=x_NM.device), counts_L)
-        h_NH = torch._grouped_mm(x_NM, weight1.transpose(1, 2), offs=offsets_L)
+        counts_L = torch.tensor(counts, device=x_NM.device)
+        expert_N = torch.repeat_interleave(torch.arange(len(counts), device=x_NM.device), counts_L)
+        h_NH = grouped_mm(x_NM, weight1.transpose(1, 2), counts)
         if bias1 is not None:
-            h_NH = h_NH + bias1[expert_N]
+            h_NH += bias1[expert_N]
         a_NH = torch.empty_like(h_NH)
         _activate(name, approximate, h_NH, a_NH)
-        y_NM = torch._grouped_mm(a_NH, weight2.transpose(1, 2), offs=offsets_L)
+        y_NM = grouped_mm(a_NH, weight2.transpose(1, 2), counts)
         if bias2 is not None:
-            y_NM = y_NM + bias2[expert_N]
-        ctx.activation, ctx.has_bias = activation, bias1 is not None
-        ctx.save_for_backward(x_NM, weight1, weight2, h_NH, a_NH, counts_L, offsets_L)
+            y_NM += bias2[expert_N]
+        ctx.counts, ctx.activation, ctx.has_bias = counts, activation, bias1 is not None
+        ctx.save_for_backward(x_NM, weight1, weight2, h_NH, a_NH, counts_L)
         return y_NM
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_y_NM):
-        x_NM, weight1, weight2, h_NH, a_NH, counts_L, offsets_L = ctx.saved_tensors
+        x_NM, weight1, weight2, h_NH, a_NH, counts_L = ctx.saved_tensors
         name, approximate = ctx.activation
         grad_y_NM = grad_y_NM.contiguous()
-        grad_h_NH = torch._grouped_mm(grad_y_NM, weight2, offs=offsets_L)
+        grad_h_NH = grouped_mm(grad_y_NM, weight2, ctx.counts)
         _activation_backward(name, approximate, grad_h_NH, h_NH, a_NH, grad_h_NH)
-        grad_x_NM = torch._grouped_mm(grad_h_NH, weight1, offs=offsets_L)
-        grad_w2 = torch._grouped_mm(grad_y_NM.t(), a_NH, offs=offsets_L)
-        grad_w1 = torch._grouped_mm(grad_h_NH.t(), x_NM, offs=offsets_L)
+        grad_x_NM = grouped_mm(grad_h_NH, weight1, ctx.counts)
+        grad_w2 = grouped_mm_t(grad_y_NM, a_NH, ctx.counts)
+        grad_w1 = grouped_mm_t(grad_h_NH, x_NM, ctx.counts)
         grad_b1 = grad_b2 = None
         if ctx.has_bias:  # per-expert sums without atomics
-            grad_b2 = torch.segment_reduce(grad_y_NM.float(), "sum", lengths=counts_L).to(weight2.dtype)
-            grad_b1 = torch.segment_reduce(grad_h_NH.float(), "sum", lengths=counts_L).to(weight1.dtype)
+            grad_b2 = torch.segment_reduce(grad_y_NM.float(), "sum", lengths=counts_L, unsafe=True).to(weight2.dtype)
+            grad_b1 = torch.segment_reduce(grad_h_NH.float(), "sum", lengths=counts_L, unsafe=True).to(weight1.dtype)
         return grad_x_NM, grad_w1, grad_b1, grad_w2, grad_b2, None, None
-
-
-@functools.cache
-def grouped_mm_supported(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether torch's grouped GEMM runs here (it is private and device-specific): one tiny trial."""
-    if not hasattr(torch, "_grouped_mm"):
-        return False
-    try:
-        x, w = torch.ones(16, 16, device=device, dtype=dtype), torch.ones(2, 16, 16, device=device, dtype=dtype)
-        offsets = torch.tensor([8, 16], device=device, dtype=torch.int32)
-        torch._grouped_mm(x, w.transpose(1, 2), offs=offsets)
-        torch._grouped_mm(x.t(), x, offs=offsets)
-    except (RuntimeError, TypeError, NotImplementedError):
-        return False
-    return True
-
-
-def _grouped_mm_fits(x_NM: torch.Tensor, weight1: torch.Tensor) -> bool:
-    """The grouped GEMM needs row strides that are multiples of 16 bytes."""
-    element = x_NM.element_size()
-    return (x_NM.shape[1] * element) % 16 == 0 and (weight1.shape[1] * element) % 16 == 0
 
 
 def grouped_mlp(
     x_NM: torch.Tensor, weight1: torch.Tensor, bias1: torch.Tensor | None, weight2: torch.Tensor,
     bias2: torch.Tensor | None, counts: list[int], activation: str, approximate: str = "none",
-    grouped_mm: bool = False,
+    use_grouped_gemm: bool = False,
 ) -> torch.Tensor:
     """Run L stacked MLP experts on their slices of packed rows; differentiable in x and every weight.
 
-    With grouped_mm=True (and where torch's grouped GEMM runs and the widths fit its alignment),
-    every layer is one grouped product over all experts; otherwise products per piece of rows.
+    With use_grouped_gemm=True every layer is one grouped product over all experts (kernels.grouped_gemm:
+    torch's grouped GEMM, a Triton kernel or a loop); otherwise products per piece of rows.
 
     Args:
         x_NM: packed rows, shape [N, M], expert 0's rows first.
@@ -285,7 +265,7 @@ def grouped_mlp(
         weight2: shape [L, M_out, H]; bias2: [L, M_out] or None.
         counts: rows per expert, L ints summing to N.
         activation: one of ACTIVATIONS; approximate: GELU's approximation ("none" or "tanh").
-        grouped_mm: use torch's grouped GEMM when it can.
+        use_grouped_gemm: one grouped GEMM per layer instead of products per piece.
 
     Returns:
         y_NM: shape [N, M_out].
@@ -297,7 +277,6 @@ def grouped_mlp(
         raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
     if len(counts) != weight1.shape[0] or sum(counts) != x_NM.shape[0]:
         raise ValueError(f"counts {counts} must have {weight1.shape[0]} entries summing to {x_NM.shape[0]}")
-    if grouped_mm and grouped_mm_supported(x_NM.device, x_NM.dtype) and _grouped_mm_fits(x_NM, weight1):
-        counts_L = torch.tensor(counts, device=x_NM.device)
-        return _GroupedMMMLP.apply(x_NM, weight1, bias1, weight2, bias2, counts_L, (activation, approximate))
+    if use_grouped_gemm:
+        return _GroupedGemmMLP.apply(x_NM, weight1, bias1, weight2, bias2, counts, (activation, approximate))
     return _GroupedMLP.apply(x_NM, weight1, bias1, weight2, bias2, counts, (activation, approximate))

@@ -52,7 +52,7 @@ class MOELayer(nn.Module):
         ep_size: expert-parallel size.
         num_local_experts: L.
         expert_compute: "packed" (rows sorted by expert, no padding, products per expert), "grouped"
-            (the same rows, one grouped GEMM per layer where torch has one), "padded" (the capacity
+            (the same rows, one grouped GEMM per layer), "padded" (the capacity
             buffer, batched products, no host sync) or "auto": packed on CPU, where empty slots would
             cost product time; elsewhere padded when dropping and grouped when dropless.
     """
@@ -83,7 +83,7 @@ class MOELayer(nn.Module):
         compute = self._compute(x_SM.device)
         row_SK, num_rows, counts = _rows(routing, compute != "padded")
         buffer_NM = permute(x_SM, row_SK, num_rows)
-        y_NM = self.experts(buffer_NM, counts, grouped_mm=compute == "grouped")
+        y_NM = self.experts(buffer_NM, counts, grouped_gemm=compute == "grouped")
         out_SM = unpermute_combine(y_NM, row_SK, routing.weight_SK)
         self.routing, self.l_aux, self.exp_counts, self.z_loss = routing, routing.l_aux, routing.exp_counts, routing.z_loss
         return out_SM

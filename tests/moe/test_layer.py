@@ -332,11 +332,10 @@ def test_layer_on_triton_kernels_equals_torch_path(compute, monkeypatch):
 
 
 @pytest.mark.parametrize("bias", [True, False])
-def test_grouped_gemm_path_equals_per_expert_products(bias):
-    from moe.grouped_mlp import grouped_mm_supported
-
-    if not grouped_mm_supported(torch.device("cpu"), torch.float32):
-        pytest.skip("this torch has no grouped GEMM on CPU")
+@pytest.mark.parametrize("gemm", ["torch", "triton", "loop"])
+def test_grouped_gemm_path_equals_per_expert_products(bias, gemm, monkeypatch):
+    monkeypatch.setenv("MOE_GROUPED_GEMM", gemm)
+    monkeypatch.setenv("MOE_KERNELS", "triton" if gemm == "triton" else "auto")
     torch.manual_seed(14)
     expert = _mlp(8, 16, nn.GELU, bias=bias)
     kwargs = dict(num_experts=4, k=2, dropless=True, top2_2nd_expert_sampling=False)

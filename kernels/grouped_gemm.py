@@ -1,0 +1,188 @@
+"""Grouped GEMM: one matrix product per expert over its slice of packed rows, in one launch.
+
+    grouped_mm(x_NI, w_LIO, counts)    y[rows_e] = x[rows_e] @ w[e]            -> [N, O]
+    grouped_mm_t(a_NP, b_NQ, counts)   out[e]    = a[rows_e]^T @ b[rows_e]     -> [L, P, Q]
+
+Shape legend: N packed rows (expert 0's first), L experts, I/O/P/Q widths; `counts` gives each
+expert's rows. The first form is a layer's forward and input gradient, the second its weight
+gradient. Backends: torch's own grouped GEMM (`torch._grouped_mm`) where it runs for the device and
+dtype; else a Triton kernel on CUDA (tiles scheduled per expert on the host, fp32 accumulation, no
+atomics); else a loop of torch products over slices, which is also the reference.
+"""
+
+import functools
+import os
+
+import torch
+
+from kernels.backend import use_triton
+
+__all__ = ["grouped_mm", "grouped_mm_reference", "grouped_mm_t", "grouped_mm_t_reference"]
+
+BLOCK = 32  # tile edge of the Triton kernels (rows, columns and reduction)
+
+
+def _bounds(counts: list[int]) -> list[tuple[int, int]]:
+    out, start = [], 0
+    for count in counts:
+        out.append((start, start + count))
+        start += count
+    return out
+
+
+def grouped_mm_reference(x_NI: torch.Tensor, w_LIO: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """The specification: one torch product per expert slice."""
+    pieces = [x_NI[start:end] @ w_LIO[e] for e, (start, end) in enumerate(_bounds(counts))]
+    return torch.cat(pieces) if pieces else x_NI.new_zeros(0, w_LIO.shape[2])
+
+
+def grouped_mm_t_reference(a_NP: torch.Tensor, b_NQ: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """The specification: one torch product per expert slice, transposed on the left."""
+    pieces = [a_NP[start:end].t() @ b_NQ[start:end] for start, end in _bounds(counts)]
+    return torch.stack(pieces) if pieces else a_NP.new_zeros(0, a_NP.shape[1], b_NQ.shape[1])
+
+
+@functools.cache
+def _kernels():
+    """The Triton kernels, built on first use so that CPU-only use never imports triton."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _grouped_mm_kernel(x_ptr, w_ptr, y_ptr, tile_expert_ptr, tile_row_ptr, row_end_ptr, n_in, n_out,
+                           stride_xn, stride_wl, stride_wi, stride_wo, stride_yn,
+                           BLOCK_N: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_I: tl.constexpr):
+        # program (row tile, column tile); each row tile belongs to one expert (scheduled on the host)
+        tile = tl.program_id(0)
+        expert = tl.load(tile_expert_ptr + tile).to(tl.int64)
+        rows = tl.load(tile_row_ptr + tile).to(tl.int64) + tl.arange(0, BLOCK_N)
+        row_end = tl.load(row_end_ptr + expert)
+        cols = tl.program_id(1) * BLOCK_O + tl.arange(0, BLOCK_O)
+        acc = tl.zeros([BLOCK_N, BLOCK_O], dtype=tl.float32)
+        for start in range(0, n_in, BLOCK_I):
+            inner = start + tl.arange(0, BLOCK_I)
+            x = tl.load(x_ptr + rows[:, None] * stride_xn + inner[None, :],
+                        mask=(rows[:, None] < row_end) & (inner[None, :] < n_in), other=0.0)
+            w = tl.load(w_ptr + expert * stride_wl + inner[:, None] * stride_wi + cols[None, :] * stride_wo,
+                        mask=(inner[:, None] < n_in) & (cols[None, :] < n_out), other=0.0)
+            acc += tl.dot(x.to(tl.float32), w.to(tl.float32))
+        tl.store(y_ptr + rows[:, None] * stride_yn + cols[None, :], acc.to(y_ptr.dtype.element_ty),
+                 mask=(rows[:, None] < row_end) & (cols[None, :] < n_out))
+
+    @triton.jit
+    def _grouped_mm_t_kernel(a_ptr, b_ptr, out_ptr, row_start_ptr, row_end_ptr, n_p, n_q,
+                             stride_an, stride_bn, stride_ol, stride_op,
+                             BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr):
+        # program (expert, P tile, Q tile): a reduction over the expert's rows, in a fixed order
+        expert = tl.program_id(0).to(tl.int64)
+        p = tl.program_id(1) * BLOCK_P + tl.arange(0, BLOCK_P)
+        q = tl.program_id(2) * BLOCK_Q + tl.arange(0, BLOCK_Q)
+        row_start = tl.load(row_start_ptr + expert)
+        row_end = tl.load(row_end_ptr + expert)
+        acc = tl.zeros([BLOCK_P, BLOCK_Q], dtype=tl.float32)
+        for start in range(row_start, row_end, BLOCK_N):
+            rows = start + tl.arange(0, BLOCK_N)
+            a = tl.load(a_ptr + rows[None, :] * stride_an + p[:, None],
+                        mask=(rows[None, :] < row_end) & (p[:, None] < n_p), other=0.0)
+            b = tl.load(b_ptr + rows[:, None] * stride_bn + q[None, :],
+                        mask=(rows[:, None] < row_end) & (q[None, :] < n_q), other=0.0)
+            acc += tl.dot(a.to(tl.float32), b.to(tl.float32))
+        tl.store(out_ptr + expert * stride_ol + p[:, None] * stride_op + q[None, :], acc.to(out_ptr.dtype.element_ty),
+                 mask=(p[:, None] < n_p) & (q[None, :] < n_q))
+
+    return _grouped_mm_kernel, _grouped_mm_t_kernel
+
+
+def _backend(t: torch.Tensor) -> str:
+    """"torch" (torch._grouped_mm), "triton" or "loop"; MOE_GROUPED_GEMM forces one."""
+    forced = os.environ.get("MOE_GROUPED_GEMM", "auto")
+    if forced not in ("auto", "torch", "triton", "loop"):
+        raise ValueError(f"MOE_GROUPED_GEMM must be auto, torch, triton or loop, got {forced!r}")
+    if forced != "auto":
+        return forced
+    if _torch_grouped_mm_runs(t.device, t.dtype):
+        return "torch"
+    return "triton" if use_triton(t) else "loop"
+
+
+@functools.cache
+def _torch_grouped_mm_runs(device: torch.device, dtype: torch.dtype) -> bool:
+    """torch's grouped GEMM is private and device-specific: one tiny trial of both forms."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    try:
+        x = torch.ones(16, 16, device=device, dtype=dtype)
+        offsets = torch.tensor([8, 16], device=device, dtype=torch.int32)
+        torch._grouped_mm(x, torch.ones(2, 16, 16, device=device, dtype=dtype).transpose(1, 2), offs=offsets)
+        torch._grouped_mm(x.t(), x, offs=offsets)
+    except (RuntimeError, TypeError, NotImplementedError):
+        return False
+    return True
+
+
+def _torch_fits(*tensors: torch.Tensor) -> bool:
+    """torch's grouped GEMM needs every row stride to be a multiple of 16 bytes."""
+    return all((t.shape[-1] * t.element_size()) % 16 == 0 for t in tensors)
+
+
+def _offsets(counts: list[int], device) -> torch.Tensor:
+    return torch.cumsum(torch.tensor(counts, device=device), 0).to(torch.int32)
+
+
+def grouped_mm(x_NI: torch.Tensor, w_LIO: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """y[rows_e] = x[rows_e] @ w[e] for every expert e; not differentiable (used inside autograd functions).
+
+    Args:
+        x_NI: packed rows, shape [N, I]. w_LIO: shape [L, I, O] (any strides). counts: L ints summing to N.
+
+    Returns:
+        y_NO: shape [N, O], dtype of x_NI.
+    """
+    backend = _backend(x_NI)
+    if backend == "torch" and _torch_fits(x_NI, w_LIO):
+        return torch._grouped_mm(x_NI, w_LIO, offs=_offsets(counts, x_NI.device))
+    if backend != "triton":
+        return grouped_mm_reference(x_NI, w_LIO, counts)
+    x_NI = x_NI.contiguous()
+    N, I = x_NI.shape
+    O = w_LIO.shape[2]
+    y_NO = torch.empty(N, O, dtype=x_NI.dtype, device=x_NI.device)
+    tiles = [(e, row) for e, (start, end) in enumerate(_bounds(counts)) for row in range(start, end, BLOCK)]
+    if not tiles or O == 0:
+        return y_NO
+    tile_expert = torch.tensor([e for e, _ in tiles], device=x_NI.device)
+    tile_row = torch.tensor([row for _, row in tiles], device=x_NI.device)
+    row_end = _offsets(counts, x_NI.device).to(torch.int64)
+    _kernels()[0][(len(tiles), -(-O // BLOCK))](
+        x_NI, w_LIO, y_NO, tile_expert, tile_row, row_end, I, O, x_NI.stride(0), w_LIO.stride(0), w_LIO.stride(1),
+        w_LIO.stride(2), y_NO.stride(0), BLOCK_N=BLOCK, BLOCK_O=BLOCK, BLOCK_I=BLOCK,
+    )
+    return y_NO
+
+
+def grouped_mm_t(a_NP: torch.Tensor, b_NQ: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """out[e] = a[rows_e]^T @ b[rows_e] for every expert e (zero for experts without rows).
+
+    Args:
+        a_NP: shape [N, P]. b_NQ: shape [N, Q]. counts: L ints summing to N.
+
+    Returns:
+        out_LPQ: shape [L, P, Q], dtype of a_NP.
+    """
+    backend = _backend(a_NP)
+    if backend == "torch" and _torch_fits(a_NP, b_NQ) and a_NP.shape[0] % 8 == 0:
+        return torch._grouped_mm(a_NP.t(), b_NQ, offs=_offsets(counts, a_NP.device))
+    if backend != "triton":
+        return grouped_mm_t_reference(a_NP, b_NQ, counts)
+    a_NP, b_NQ = a_NP.contiguous(), b_NQ.contiguous()
+    P, Q, L = a_NP.shape[1], b_NQ.shape[1], len(counts)
+    out = torch.zeros(L, P, Q, dtype=a_NP.dtype, device=a_NP.device)
+    if L == 0 or P == 0 or Q == 0:
+        return out
+    row_end = _offsets(counts, a_NP.device).to(torch.int64)
+    row_start = row_end - torch.tensor(counts, device=a_NP.device)
+    _kernels()[1][(L, -(-P // BLOCK), -(-Q // BLOCK))](
+        a_NP, b_NQ, out, row_start, row_end, P, Q, a_NP.stride(0), b_NQ.stride(0), out.stride(0), out.stride(1),
+        BLOCK_P=BLOCK, BLOCK_Q=BLOCK, BLOCK_N=BLOCK,
+    )
+    return out
