@@ -60,6 +60,19 @@ def _batched_linear(x_LCI: torch.Tensor, weight_LOI: torch.Tensor, bias_LO: torc
     return torch.baddbmm(bias_LO.unsqueeze(1), x_LCI, weight_LOI.transpose(1, 2))
 
 
+def _copy_expert(expert: nn.Module, seed: tuple[int, int] | None, local: int) -> nn.Module:
+    """A deep copy; with a seed, re-initialised from (seed, global id) without touching the global RNG."""
+    module = copy.deepcopy(expert)
+    if seed is not None:
+        base, first = seed
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(base * 1_000_003 + first + local)
+            for sub in module.modules():
+                if hasattr(sub, "reset_parameters"):
+                    sub.reset_parameters()
+    return module
+
+
 class Experts(nn.Module):
     """The local experts of one MoE layer.
 
@@ -70,10 +83,13 @@ class Experts(nn.Module):
             `group_name` (with `allreduce = False`) so the optimizer can find them.
         stacked: hold a plain MLP expert as stacked weights (True), as module copies (False), or
             decide by the expert's type ("auto").
+        seed: (seed, first global expert id): re-initialise local expert l from (seed, first + l)
+            with its modules' reset_parameters, so weights do not depend on the expert-parallel
+            layout; None keeps DeepSpeed's identical deep copies.
     """
 
     def __init__(self, expert: nn.Module, num_local_experts: int = 1, expert_group_name: str | None = None,
-                 stacked: bool | str = "auto"):
+                 stacked: bool | str = "auto", seed: tuple[int, int] | None = None):
         super().__init__()
         if not isinstance(expert, nn.Module):
             raise TypeError(f"expert must be an nn.Module, got {type(expert).__name__}")
@@ -87,16 +103,16 @@ class Experts(nn.Module):
             )
         self.num_local_experts = num_local_experts
         self.stacked = mlp is not None and stacked in (True, "auto")
+        copies = [_copy_expert(expert, seed, e) for e in range(num_local_experts)]
         if self.stacked:
-            first, self.activation, self.approximate, second = mlp
-            L = num_local_experts
-            self.weight1 = nn.Parameter(first.weight.detach().clone().unsqueeze(0).repeat(L, 1, 1))
-            self.weight2 = nn.Parameter(second.weight.detach().clone().unsqueeze(0).repeat(L, 1, 1))
-            has_bias = first.bias is not None
-            self.bias1 = nn.Parameter(first.bias.detach().clone().repeat(L, 1)) if has_bias else None
-            self.bias2 = nn.Parameter(second.bias.detach().clone().repeat(L, 1)) if has_bias else None
+            _, self.activation, self.approximate, _ = mlp
+            self.weight1 = nn.Parameter(torch.stack([c[0].weight.detach() for c in copies]))
+            self.weight2 = nn.Parameter(torch.stack([c[2].weight.detach() for c in copies]))
+            has_bias = mlp[0].bias is not None
+            self.bias1 = nn.Parameter(torch.stack([c[0].bias.detach() for c in copies])) if has_bias else None
+            self.bias2 = nn.Parameter(torch.stack([c[2].bias.detach() for c in copies])) if has_bias else None
         else:
-            self.deepspeed_experts = nn.ModuleList(copy.deepcopy(expert) for _ in range(num_local_experts))
+            self.deepspeed_experts = nn.ModuleList(copies)
         if expert_group_name is not None:
             tag_expert_parameters(self.parameters(), expert_group_name)
         self._register_load_state_dict_pre_hook(self._convert_state_dict)

@@ -19,13 +19,16 @@ import torch
 from torch import nn
 
 from kernels import permute, unpermute_combine
+from moe.expert_parallel import run_experts_packed, run_experts_padded
 from moe.experts import Experts
 from moe.gating import TopKGate
 from moe.routing import Routing
+from parallel import expert_groups
 
 __all__ = ["MoE", "MOELayer"]
 
 EXPERT_COMPUTE = ("auto", "packed", "grouped", "padded")
+EXPERT_INIT = ("copy", "per_expert_seed")
 
 
 def _rows(routing: Routing, packed: bool) -> tuple[torch.Tensor, int, list[int] | None]:
@@ -51,6 +54,7 @@ class MOELayer(nn.Module):
         ep_group_name: name of the expert-parallel group ("ep_size_<n>").
         ep_size: expert-parallel size.
         num_local_experts: L.
+        ep_group: the expert-parallel process group (None when ep_size is 1).
         expert_compute: "packed" (rows sorted by expert, no padding, products per expert), "grouped"
             (the same rows, one grouped GEMM per layer), "padded" (the capacity
             buffer, batched products, no host sync) or "auto": packed on CPU, where empty slots would
@@ -58,7 +62,7 @@ class MOELayer(nn.Module):
     """
 
     def __init__(self, gate: TopKGate, experts: Experts, ep_group_name: str, ep_size: int, num_local_experts: int,
-                 expert_compute: str = "auto"):
+                 expert_compute: str = "auto", ep_group=None):
         super().__init__()
         if expert_compute not in EXPERT_COMPUTE:
             raise ValueError(f"expert_compute must be one of {EXPERT_COMPUTE}, got {expert_compute!r}")
@@ -68,6 +72,7 @@ class MOELayer(nn.Module):
         self.ep_size = ep_size
         self.num_local_experts = num_local_experts
         self.expert_compute = expert_compute
+        self.ep_group = ep_group
         self.l_aux = self.exp_counts = self.z_loss = self.routing = None
 
     def _compute(self, device: torch.device) -> str:
@@ -83,7 +88,14 @@ class MOELayer(nn.Module):
         compute = self._compute(x_SM.device)
         row_SK, num_rows, counts = _rows(routing, compute != "padded")
         buffer_NM = permute(x_SM, row_SK, num_rows)
-        y_NM = self.experts(buffer_NM, counts, grouped_gemm=compute == "grouped")
+        if self.ep_size == 1:
+            y_NM = self.experts(buffer_NM, counts, grouped_gemm=compute == "grouped")
+        elif compute == "padded":
+            y_NM = run_experts_padded(self.experts, buffer_NM, routing.capacity, self.ep_size, self.ep_group)
+        else:
+            y_NM = run_experts_packed(
+                self.experts, buffer_NM, counts, self.ep_size, self.ep_group, grouped_gemm=compute == "grouped"
+            )
         out_SM = unpermute_combine(y_NM, row_SK, routing.weight_SK)
         self.routing, self.l_aux, self.exp_counts, self.z_loss = routing, routing.l_aux, routing.exp_counts, routing.z_loss
         return out_SM
@@ -113,6 +125,14 @@ class MoE(nn.Module):
         expert_compute: "auto", "packed", "grouped" or "padded"; see MOELayer.
         dropless: route every choice (implies drop_tokens=False) and pack tokens by expert with no
             padding on every device; experts run on variable-sized groups (MegaBlocks-style).
+        expert_init: "copy" (DeepSpeed: every expert a deep copy of `expert`) or "per_expert_seed"
+            (global expert g re-initialised from (seed, g): the same weights at any ep_size).
+        seed: the seed for expert_init="per_expert_seed".
+        use_data_before_expert_parallel: DeepSpeed's alternative rank layout (see parallel.groups).
+
+    With ep_size > 1 (under torchrun, after parallel.init_distributed()), this rank holds global
+    experts ep_rank * L ... ep_rank * L + L - 1 (L = num_experts / ep_size) and tokens travel to them
+    by all-to-all within its expert-parallel group.
 
     After each forward, `z_loss` holds the router z-loss (ST-MoE) of that forward, and
     `deepspeed_moe.routing` the full Routing plan.
@@ -124,17 +144,13 @@ class MoE(nn.Module):
         use_residual: bool = False, noisy_gate_policy: str | None = None, drop_tokens: bool = True,
         use_rts: bool = True, use_tutel: bool = False, enable_expert_tensor_parallelism: bool = False,
         top2_2nd_expert_sampling: bool = True, *, drop_policy: str = "probs", expert_compute: str = "auto",
-        dropless: bool = False,
+        dropless: bool = False, expert_init: str = "copy", seed: int = 0, use_data_before_expert_parallel: bool = False,
     ):
         super().__init__()
         if isinstance(ep_size, bool) or not isinstance(ep_size, int) or ep_size < 1:
             raise ValueError(f"ep_size must be an int >= 1, got {ep_size!r}")
         if isinstance(num_experts, int) and num_experts % ep_size:
             raise ValueError(f"num_experts ({num_experts}) must be divisible by ep_size ({ep_size})")
-        if ep_size > 1:
-            raise ValueError(
-                f"ep_size ({ep_size}) > 1 needs expert parallelism, which this version does not have yet; use ep_size=1"
-            )
         if enable_expert_tensor_parallelism:
             raise ValueError("enable_expert_tensor_parallelism=True is not supported; use False")
         if use_tutel:
@@ -145,9 +161,13 @@ class MoE(nn.Module):
                     "dropless=True packs tokens without padding; expert_compute must be 'auto', 'packed' or 'grouped'"
                 )
             drop_tokens = False
+        if expert_init not in EXPERT_INIT:
+            raise ValueError(f"expert_init must be one of {EXPERT_INIT}, got {expert_init!r}")
+        groups = expert_groups(ep_size, use_data_before_expert_parallel) if ep_size > 1 else None
+        ep_group = groups.ep_group if groups else None
         gate = TopKGate(
             hidden_size, num_experts, k, capacity_factor, eval_capacity_factor, min_capacity,
-            noisy_gate_policy, drop_tokens, use_rts, None, top2_2nd_expert_sampling, drop_policy,
+            noisy_gate_policy, drop_tokens, use_rts, ep_group, top2_2nd_expert_sampling, drop_policy,
         )
         self.hidden_size = hidden_size
         self.num_experts = num_experts
@@ -157,9 +177,14 @@ class MoE(nn.Module):
         self.use_residual = use_residual
         self.dropless = dropless
         self.enable_expert_tensor_parallelism = enable_expert_tensor_parallelism
-        experts = Experts(expert, self.num_local_experts, self.expert_group_name)
+        self.ep_rank = groups.ep_rank if groups else 0
+        first_expert = self.ep_rank * self.num_local_experts
+        experts = Experts(
+            expert, self.num_local_experts, self.expert_group_name,
+            seed=(seed, first_expert) if expert_init == "per_expert_seed" else None,
+        )
         self.deepspeed_moe = MOELayer(
-            gate, experts, self.expert_group_name, ep_size, self.num_local_experts, expert_compute
+            gate, experts, self.expert_group_name, ep_size, self.num_local_experts, expert_compute, ep_group
         )
         if use_residual:
             self.mlp = expert

@@ -1,0 +1,42 @@
+"""Distributed initialisation from torchrun's environment."""
+
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["init_distributed"]
+
+TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def init_distributed(backend: str | None = None, timeout_s: float = 600.0) -> tuple[int, int]:
+    """Join the process group torchrun describes (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT).
+
+    Without those variables this is a one-process run and nothing is initialised. Already
+    initialised: nothing changes.
+
+    Args:
+        backend: "nccl" or "gloo"; default nccl when CUDA is available, else gloo.
+        timeout_s: collective timeout, so a hang fails instead of stalling.
+
+    Returns:
+        (rank, world_size).
+
+    Raises:
+        ValueError: some but not all of torchrun's variables are set.
+    """
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    present = [name for name in TORCHRUN_VARIABLES if name in os.environ]
+    if not present:
+        return 0, 1
+    if len(present) != len(TORCHRUN_VARIABLES):
+        missing = [name for name in TORCHRUN_VARIABLES if name not in os.environ]
+        raise ValueError(f"torchrun environment incomplete: {missing} missing; launch with torchrun")
+    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+    return dist.get_rank(), dist.get_world_size()

@@ -1,0 +1,93 @@
+"""Process groups for expert parallelism: data-parallel, expert-parallel, expert-data-parallel.
+
+With world size W and expert-parallel size e (e divides W), the default layout puts expert-parallel
+groups on blocks of e consecutive ranks and expert-data-parallel groups on the ranks with the same
+position in their block (W / e ranks each); the data-parallel group is everyone. With
+`use_data_before_expert_parallel=True` (DeepSpeed's `use_data_before_expert_parallel_`) the two are
+swapped: expert-data-parallel groups are blocks of W / e consecutive ranks and expert-parallel groups
+stride across them. Groups are built once per layout and cached; `reset_groups` forgets them (tests).
+"""
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+__all__ = ["ExpertGroups", "expert_groups", "expert_layout", "expert_mesh", "reset_groups"]
+
+
+@dataclass(frozen=True)
+class ExpertGroups:
+    """This rank's groups for one expert-parallel size."""
+
+    ep_size: int
+    ep_rank: int
+    ep_group: object
+    edp_size: int
+    edp_rank: int
+    edp_group: object
+    dp_group: object
+
+
+_CACHE: dict[tuple[int, bool], ExpertGroups] = {}
+
+
+def expert_layout(world_size: int, ep_size: int, use_data_before_expert_parallel: bool = False):
+    """The rank lists of every expert-parallel group and every expert-data-parallel group.
+
+    Raises:
+        ValueError: ep_size does not divide world_size.
+    """
+    if isinstance(ep_size, bool) or not isinstance(ep_size, int) or ep_size < 1 or world_size % ep_size:
+        raise ValueError(f"ep_size ({ep_size}) must be a positive divisor of the world size ({world_size})")
+    edp_size = world_size // ep_size
+    if use_data_before_expert_parallel:
+        edp_groups = [list(range(b * edp_size, (b + 1) * edp_size)) for b in range(ep_size)]
+        ep_groups = [list(range(i, world_size, edp_size)) for i in range(edp_size)]
+    else:
+        ep_groups = [list(range(b * ep_size, (b + 1) * ep_size)) for b in range(edp_size)]
+        edp_groups = [list(range(i, world_size, ep_size)) for i in range(ep_size)]
+    return ep_groups, edp_groups
+
+
+def expert_groups(ep_size: int, use_data_before_expert_parallel: bool = False) -> ExpertGroups:
+    """This rank's groups for `ep_size`, built on first call (by every rank, in the same order).
+
+    Raises:
+        RuntimeError: torch.distributed is not initialised (call parallel.init_distributed under torchrun).
+        ValueError: ep_size does not divide the world size.
+    """
+    key = (ep_size, use_data_before_expert_parallel)
+    if key in _CACHE:
+        return _CACHE[key]
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError(
+            f"ep_size ({ep_size}) > 1 needs torch.distributed: launch with torchrun and call "
+            "parallel.init_distributed() before building the model"
+        )
+    world, rank = dist.get_world_size(), dist.get_rank()
+    ep_lists, edp_lists = expert_layout(world, ep_size, use_data_before_expert_parallel)
+    mine_ep = mine_edp = None
+    for ranks in ep_lists:  # every rank creates every group, in the same order
+        group = dist.new_group(ranks)
+        if rank in ranks:
+            mine_ep, ep_rank = group, ranks.index(rank)
+    for ranks in edp_lists:
+        group = dist.new_group(ranks)
+        if rank in ranks:
+            mine_edp, edp_rank = group, ranks.index(rank)
+    groups = ExpertGroups(ep_size, ep_rank, mine_ep, world // ep_size, edp_rank, mine_edp, dist.group.WORLD)
+    _CACHE[key] = groups
+    return groups
+
+
+def expert_mesh(ep_size: int, device_type: str = "cpu") -> DeviceMesh:
+    """The default layout as a 2-D DeviceMesh with dimensions ("edp", "ep")."""
+    world = dist.get_world_size()
+    expert_layout(world, ep_size)
+    return init_device_mesh(device_type, (world // ep_size, ep_size), mesh_dim_names=("edp", "ep"))
+
+
+def reset_groups() -> None:
+    """Forget cached groups (the process group itself is left alone)."""
+    _CACHE.clear()

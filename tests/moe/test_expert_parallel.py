@@ -1,0 +1,125 @@
+"""Expert parallelism on gloo processes against a one-process reference holding every expert.
+
+Each rank feeds its own tokens; the reference feeds every rank's tokens in turn. Outputs and l_aux
+must match per rank, and gradients after summing over the ranks that share a parameter (the gate over
+everyone, each expert over its expert-data-parallel group), experts gathered by global id. fp32,
+1e-5 relative.
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from moe import MoE
+from parallel import expert_groups, expert_layout, reset_groups
+from tests.distributed import run_distributed
+
+FP32 = {"rtol": 1e-5, "atol": 1e-5}
+S, M, H, E = 24, 8, 16, 8
+
+
+def _layer(ep_size, k, layout):
+    kwargs = dict(num_experts=E, ep_size=ep_size, k=k, min_capacity=0, use_rts=False, top2_2nd_expert_sampling=False,
+                  expert_init="per_expert_seed", seed=3)
+    if layout == "dropless":
+        kwargs.update(dropless=True)
+    else:
+        kwargs.update(capacity_factor=0.9, expert_compute=layout)
+    torch.manual_seed(0)
+    return MoE(M, nn.Sequential(nn.Linear(M, H), nn.GELU(), nn.Linear(H, M)), **kwargs)
+
+
+def _inputs(rank):
+    g = torch.Generator().manual_seed(100 + rank)
+    return torch.randn(S, M, generator=g), torch.randn(S, M, generator=g)
+
+
+def _check_layout(rank, world, ep_size, k, layout):
+    reset_groups()
+    layer, reference = _layer(ep_size, k, layout), _layer(1, k, layout)
+    x, grad = _inputs(rank)
+    out, l_aux, _ = layer(x)
+    ((out * grad).sum() + l_aux).backward()
+    for r in range(world):  # the reference sees every rank's tokens in turn
+        xr, gr = _inputs(r)
+        out_r, l_aux_r, _ = reference(xr)
+        if r == rank:
+            torch.testing.assert_close(out, out_r, **FP32)
+            torch.testing.assert_close(l_aux, l_aux_r, **FP32)
+            dropped = int((layer.deepspeed_moe.routing.expert_idx_SK < 0).sum())
+        ((out_r * gr).sum() + l_aux_r).backward()
+    assert layout == "dropless" or dropped > 0 or k == 2, "capacity layouts should drop some choices here"
+    gate_grad = layer.deepspeed_moe.gate.wg.weight.grad.clone()
+    dist.all_reduce(gate_grad)
+    torch.testing.assert_close(gate_grad, reference.deepspeed_moe.gate.wg.weight.grad, **FP32)
+    groups = expert_groups(ep_size) if ep_size > 1 else None
+    L = E // ep_size
+    first = (groups.ep_rank if groups else 0) * L
+    for name, param in layer.deepspeed_moe.experts.named_parameters():
+        grad_sum = param.grad.clone()
+        dist.all_reduce(grad_sum, group=groups.edp_group if groups else None)
+        ref_param = dict(reference.deepspeed_moe.experts.named_parameters())[name]
+        torch.testing.assert_close(param.detach(), ref_param.detach()[first : first + L], **FP32)
+        torch.testing.assert_close(grad_sum, ref_param.grad[first : first + L], **FP32, msg=name)
+
+
+def _check_all(rank, world, configs):
+    for ep_size, k, layout in configs:
+        try:
+            _check_layout(rank, world, ep_size, k, layout)
+        except AssertionError as error:
+            raise AssertionError(f"world {world}, ep {ep_size}, top-{k}, {layout}: {error}") from error
+
+
+def test_world_4_every_ep_size_top1_top2_capacity_and_dropless():
+    configs = [(ep, k, layout) for ep in (1, 2, 4) for k in (1, 2) for layout in ("padded", "packed", "dropless")]
+    run_distributed(_check_all, 4, configs)
+
+
+def test_world_2_ep_2():
+    run_distributed(_check_all, 2, [(2, k, layout) for k in (1, 2) for layout in ("padded", "dropless")])
+
+
+def _bad_layouts(rank, world):
+    reset_groups()
+    with pytest.raises(ValueError, match=r"ep_size \(3\) must be a positive divisor of the world size \(4\)"):
+        MoE(M, nn.Linear(M, M), num_experts=6, ep_size=3)
+    with pytest.raises(ValueError, match=r"num_experts \(6\) must be divisible by ep_size \(4\)"):
+        MoE(M, nn.Linear(M, M), num_experts=6, ep_size=4)
+
+
+def test_bad_layouts_fail_on_every_rank():
+    run_distributed(_bad_layouts, 4)
+
+
+def test_layer_before_init_distributed_is_refused():
+    reset_groups()
+    with pytest.raises(RuntimeError, match=r"ep_size \(2\) > 1 needs torch.distributed"):
+        MoE(M, nn.Linear(M, M), num_experts=4, ep_size=2)
+
+
+def test_layouts_and_data_before_expert_ordering():
+    assert expert_layout(4, 2) == ([[0, 1], [2, 3]], [[0, 2], [1, 3]])
+    assert expert_layout(4, 2, True) == ([[0, 2], [1, 3]], [[0, 1], [2, 3]])
+    assert expert_layout(8, 4)[1] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    with pytest.raises(ValueError, match="must be a positive divisor"):
+        expert_layout(6, 4)
+
+
+def test_per_expert_seed_weights_do_not_depend_on_layout():
+    a = _layer(1, 1, "dropless").deepspeed_moe.experts.weight1
+    assert not torch.equal(a[0], a[1]), "experts get distinct weights"
+    b = _layer(1, 1, "dropless").deepspeed_moe.experts.weight1
+    assert torch.equal(a, b)
+
+
+def test_ep_size_1_runs_no_collectives(monkeypatch):
+    calls = []
+    for name in ("all_to_all_single", "all_reduce", "all_gather", "broadcast"):
+        monkeypatch.setattr(dist, name, lambda *a, _name=name, **kw: calls.append(_name))
+    for layout in ("padded", "packed", "dropless"):
+        layer = _layer(1, 2, layout)
+        out, l_aux, _ = layer(torch.randn(S, M))
+        (out.sum() + l_aux).backward()
+    assert calls == []
