@@ -2,21 +2,29 @@
 
     python -m recipes.demo                   # a few seconds on a laptop CPU
     python -m recipes.demo --experts 8 --k 2 --steps 600
+    torchrun --nproc_per_node 4 -m recipes.demo --experts 8 --ep-world-size 2   # expert parallelism
 
 The data is built here: tokens come from `--clusters` Gaussian clusters, and each cluster has its
 own random target map, so one dense MLP must fit them all while an MoE can give each cluster its
 own expert. The model is x + MoE(LayerNorm(x)) followed by a linear read-out, trained with AdamW on
 mean-squared error plus the load-balancing loss. It prints the loss, the load-balancing loss and
 the tokens each expert received, and at the end the loss of a dense model of the same active size.
+
+Under torchrun every rank draws its own batches; with --ep-world-size e each rank holds
+experts / e experts and tokens reach them by all-to-all. Gradients are averaged over all ranks here
+by hand (dense ones over everyone, expert ones over their expert-data-parallel group with the same
+divisor) until the training engine does it; each rank prints the tokens its experts received.
 """
 
 import time
 from dataclasses import asdict, dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from moe import MoE, split_params_into_different_moe_groups_for_optimizer
+from parallel import expert_groups, init_distributed, is_moe_param
 from recipes.cli import flag_parser
 
 
@@ -34,6 +42,7 @@ class DemoConfig:
     lr: float = 3e-3
     log_interval: int = 50
     seed: int = 0
+    ep_world_size: int = 1
 
 
 class Model(nn.Module):
@@ -44,7 +53,8 @@ class Model(nn.Module):
         self.norm = nn.LayerNorm(cfg.hidden)
         expert = nn.Sequential(nn.Linear(cfg.hidden, cfg.ffn), nn.GELU(), nn.Linear(cfg.ffn, cfg.hidden))
         self.ffn = expert if dense else MoE(cfg.hidden, expert, num_experts=cfg.experts, k=cfg.k,
-                                            capacity_factor=cfg.capacity_factor, min_capacity=0)
+                                            capacity_factor=cfg.capacity_factor, min_capacity=0,
+                                            ep_size=cfg.ep_world_size, expert_init="per_expert_seed", seed=cfg.seed)
         self.head = nn.Linear(cfg.hidden, cfg.hidden)
 
     def forward(self, x):
@@ -56,10 +66,11 @@ class Model(nn.Module):
         return self.head(x + out), l_aux, exp_counts
 
 
-def make_task(cfg: DemoConfig):
+def make_task(cfg: DemoConfig, rank: int = 0):
     g = torch.Generator().manual_seed(cfg.seed)
     centers = torch.randn(cfg.clusters, cfg.hidden, generator=g) * 3
     maps = torch.randn(cfg.clusters, cfg.hidden, cfg.hidden, generator=g) / cfg.hidden**0.5
+    g.manual_seed(cfg.seed + 1 + rank)  # the task is shared, the batches are each rank's own
 
     def batch():
         cluster = torch.randint(cfg.clusters, (cfg.batch,), generator=g)
@@ -70,12 +81,22 @@ def make_task(cfg: DemoConfig):
     return batch
 
 
-def train(cfg: DemoConfig, dense: bool) -> float:
+def average_gradients(model: nn.Module, ep_size: int) -> None:
+    """Mean gradient over all ranks: dense over everyone, experts over their expert-data-parallel group."""
+    world = dist.get_world_size()
+    edp_group = expert_groups(ep_size).edp_group if ep_size > 1 else None
+    for param in model.parameters():
+        if param.grad is not None:
+            dist.all_reduce(param.grad, group=edp_group if is_moe_param(param) else None)
+            param.grad /= world
+
+
+def train(cfg: DemoConfig, dense: bool, rank: int = 0, world: int = 1) -> float:
     torch.manual_seed(cfg.seed)
     model = Model(cfg, dense)
     groups = split_params_into_different_moe_groups_for_optimizer({"params": list(model.parameters()), "name": "dense"})
     optimizer = torch.optim.AdamW(groups, lr=cfg.lr)
-    batch = make_task(cfg)
+    batch = make_task(cfg, rank)
     start, recent = time.perf_counter(), []
     for step in range(1, cfg.steps + 1):
         x, y = batch()
@@ -84,12 +105,20 @@ def train(cfg: DemoConfig, dense: bool) -> float:
         loss = mse + cfg.aux_coef * l_aux
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
+        if world > 1:
+            average_gradients(model, cfg.ep_world_size)
         optimizer.step()
         recent = (recent + [mse.item()])[-cfg.log_interval :]
-        if not dense and (step % cfg.log_interval == 0 or step == 1):
+        if not dense and rank == 0 and (step % cfg.log_interval == 0 or step == 1):
             tokens_per_s = step * cfg.batch / (time.perf_counter() - start)
             print(f"step {step:5d}  mse {mse.item():.4f}  l_aux {l_aux.item():.3f}  "
                   f"expert tokens {exp_counts.tolist()}  {tokens_per_s:,.0f} tokens/s")
+    if not dense and world > 1:
+        moe_layer = model.ffn
+        local = moe_layer.deepspeed_moe.routing.kept_counts()  # this rank's tokens, by global expert
+        first = moe_layer.ep_rank * moe_layer.num_local_experts
+        print(f"rank {rank}: holds experts {first}..{first + moe_layer.num_local_experts - 1}; "
+              f"its tokens went to experts {local.tolist()} in the last step", flush=True)
     return sum(recent) / len(recent)
 
 
@@ -98,11 +127,23 @@ def main(argv=None) -> dict:
     cfg = DemoConfig(**vars(parser.parse_args(argv)))
     if cfg.k > cfg.experts:
         parser.error(f"--k ({cfg.k}) must be at most --experts ({cfg.experts})")
-    print("config:", asdict(cfg))
-    moe_mse = train(cfg, dense=False)
-    dense_mse = train(cfg, dense=True)
-    print(f"final mse (mean of the last {cfg.log_interval} steps): MoE {moe_mse:.4f}  dense MLP of one expert's size {dense_mse:.4f}")
-    return {"moe": moe_mse, "dense": dense_mse}
+    rank, world = init_distributed()
+    if world % cfg.ep_world_size or cfg.experts % cfg.ep_world_size:
+        parser.error(f"--ep-world-size ({cfg.ep_world_size}) must divide the number of processes ({world}) "
+                     f"and --experts ({cfg.experts})")
+    if rank == 0:
+        print("config:", asdict(cfg), f"processes={world}")
+    moe_mse = train(cfg, dense=False, rank=rank, world=world)
+    result = {"moe": moe_mse}
+    if world == 1:
+        result["dense"] = train(cfg, dense=True)
+        print(f"final mse (mean of the last {cfg.log_interval} steps): MoE {moe_mse:.4f}  "
+              f"dense MLP of one expert's size {result['dense']:.4f}")
+    elif rank == 0:
+        print(f"final mse on rank 0 (mean of the last {cfg.log_interval} steps): MoE {moe_mse:.4f}")
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return result
 
 
 if __name__ == "__main__":

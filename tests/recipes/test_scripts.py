@@ -23,3 +23,18 @@ def test_kernel_benchmark_prints_bandwidth(capsys):
                         "--dtype", "fp32", "--device", "cpu"])
     out = capsys.readouterr().out
     assert "GB/s" in out and "permute (torch)" in out and "% of copy" in out
+
+
+def test_demo_under_torchrun_with_expert_parallelism(tmp_path):
+    import subprocess
+    import sys
+
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+               "-m", "recipes.demo", "--experts", "4", "--ep-world-size", "2", "--steps", "20", "--log-interval", "10"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "rank 0: holds experts 0..1" in done.stdout and "rank 1: holds experts 2..3" in done.stdout
+    bad = subprocess.run([sys.executable, "-m", "recipes.demo", "--ep-world-size", "3"], capture_output=True, text=True,
+                         timeout=120)
+    assert bad.returncode != 0 and "--ep-world-size (3) must divide" in bad.stderr
+    assert "Traceback" not in bad.stderr
