@@ -27,6 +27,8 @@ class ExpertGroups:
     edp_rank: int
     edp_group: object
     dp_group: object
+    dp_rank: int
+    dp_size: int
 
 
 _CACHE: dict[tuple[int, bool], ExpertGroups] = {}
@@ -76,7 +78,7 @@ def expert_groups(ep_size: int, use_data_before_expert_parallel: bool = False) -
         group = dist.new_group(ranks)
         if rank in ranks:
             mine_edp, edp_rank = group, ranks.index(rank)
-    groups = ExpertGroups(ep_size, ep_rank, mine_ep, world // ep_size, edp_rank, mine_edp, dist.group.WORLD)
+    groups = ExpertGroups(ep_size, ep_rank, mine_ep, world // ep_size, edp_rank, mine_edp, dist.group.WORLD, rank, world)
     _CACHE[key] = groups
     return groups
 

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 from moe import MoE
-from parallel import expert_groups, expert_layout, reset_groups
+from parallel import expert_groups, expert_layout, expert_mesh, reset_groups
 from tests.distributed import run_distributed
 
 FP32 = {"rtol": 1e-5, "atol": 1e-5}
@@ -83,13 +83,21 @@ def test_world_2_ep_2():
 
 def _bad_layouts(rank, world):
     reset_groups()
+    groups = expert_groups(2)
+    assert (groups.ep_size, groups.edp_size, groups.dp_size, groups.dp_rank) == (2, 2, 4, rank)
+    assert dist.get_process_group_ranks(groups.ep_group) == expert_layout(4, 2)[0][rank // 2]
+    assert dist.get_process_group_ranks(groups.edp_group) == expert_layout(4, 2)[1][rank % 2]
+    assert expert_groups(2) is groups, "groups are built once per size"
+    mesh = expert_mesh(2)
+    assert dist.get_process_group_ranks(mesh.get_group("ep")) == dist.get_process_group_ranks(groups.ep_group)
+    assert dist.get_process_group_ranks(mesh.get_group("edp")) == dist.get_process_group_ranks(groups.edp_group)
     with pytest.raises(ValueError, match=r"ep_size \(3\) must be a positive divisor of the world size \(4\)"):
         MoE(M, nn.Linear(M, M), num_experts=6, ep_size=3)
     with pytest.raises(ValueError, match=r"num_experts \(6\) must be divisible by ep_size \(4\)"):
         MoE(M, nn.Linear(M, M), num_experts=6, ep_size=4)
 
 
-def test_bad_layouts_fail_on_every_rank():
+def test_groups_mesh_and_bad_layouts_on_every_rank():
     run_distributed(_bad_layouts, 4)
 
 
