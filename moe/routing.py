@@ -69,16 +69,6 @@ class Routing:
         return combine, mask
 
 
-def _positions(bucket_P: torch.Tensor, order_P: torch.Tensor, num_buckets: int) -> torch.Tensor:
-    """Rank of each choice inside its bucket when the choices are visited in `order_P`."""
-    counts = torch.bincount(bucket_P, minlength=num_buckets)
-    starts = torch.cumsum(counts, 0) - counts
-    ranks_sorted = torch.arange(bucket_P.numel(), device=bucket_P.device) - starts[bucket_P[order_P]]
-    ranks = torch.empty_like(ranks_sorted)
-    ranks[order_P] = ranks_sorted
-    return ranks
-
-
 def assign_slots(
     expert_P: torch.Tensor, num_experts: int, capacity: int, priority_P: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -97,12 +87,11 @@ def assign_slots(
     Returns:
         slot_P: int64, shape [P], -1 for dropped choices.
     """
-    if priority_P is not None:
-        routed = expert_P >= 0
-        bucket_P = torch.where(routed, expert_P, num_experts)  # choices routed nowhere share one extra bucket
-        by_priority = torch.argsort(priority_P, descending=True, stable=True)
-        order = by_priority[torch.argsort(bucket_P[by_priority], stable=True)]
-        kept = routed & (_positions(bucket_P, order, num_experts + 1) < capacity)
-        expert_P = torch.where(kept, expert_P, -1)
+    if priority_P is not None:  # rank each expert's choices by priority (ties: fill order), keep the top C
+        order = torch.argsort(priority_P, descending=True, stable=True)
+        _, rank_in_order = expert_positions(expert_P[order], num_experts)
+        rank_P = torch.empty_like(rank_in_order)
+        rank_P[order] = rank_in_order
+        expert_P = torch.where((rank_P >= 0) & (rank_P < capacity), expert_P, -1)
     _, slot_P = expert_positions(expert_P, num_experts)
     return torch.where(slot_P < capacity, slot_P, -1)
