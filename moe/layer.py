@@ -163,12 +163,12 @@ class MoE(nn.Module):
             drop_tokens = False
         if expert_init not in EXPERT_INIT:
             raise ValueError(f"expert_init must be one of {EXPERT_INIT}, got {expert_init!r}")
-        groups = expert_groups(ep_size, use_data_before_expert_parallel) if ep_size > 1 else None
-        ep_group = groups.ep_group if groups else None
-        gate = TopKGate(
+        gate = TopKGate(  # validates the gating arguments before any group is built
             hidden_size, num_experts, k, capacity_factor, eval_capacity_factor, min_capacity,
-            noisy_gate_policy, drop_tokens, use_rts, ep_group, top2_2nd_expert_sampling, drop_policy,
+            noisy_gate_policy, drop_tokens, use_rts, None, top2_2nd_expert_sampling, drop_policy,
         )
+        groups = expert_groups(ep_size, use_data_before_expert_parallel) if ep_size > 1 else None
+        ep_group = gate.ep_group = groups.ep_group if groups else None
         self.hidden_size = hidden_size
         self.num_experts = num_experts
         self.ep_size = ep_size
