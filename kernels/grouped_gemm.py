@@ -51,7 +51,7 @@ def _kernels():
     @triton.jit
     def _grouped_mm_kernel(x_ptr, w_ptr, y_ptr, tile_expert_ptr, tile_row_ptr, row_end_ptr, n_in, n_out,
                            stride_xn, stride_wl, stride_wi, stride_wo, stride_yn,
-                           BLOCK_N: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_I: tl.constexpr):
+                           BLOCK_N: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_I: tl.constexpr, UPCAST: tl.constexpr):
         # program (row tile, column tile); each row tile belongs to one expert (scheduled on the host)
         tile = tl.program_id(0)
         expert = tl.load(tile_expert_ptr + tile).to(tl.int64)
@@ -65,14 +65,17 @@ def _kernels():
                         mask=(rows[:, None] < row_end) & (inner[None, :] < n_in), other=0.0)
             w = tl.load(w_ptr + expert * stride_wl + inner[:, None] * stride_wi + cols[None, :] * stride_wo,
                         mask=(inner[:, None] < n_in) & (cols[None, :] < n_out), other=0.0)
-            acc += tl.dot(x.to(tl.float32), w.to(tl.float32))
+            if UPCAST:  # fp32 inputs (no TF32), and the interpreter, whose half-precision dot is unreliable
+                acc = tl.dot(x.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
+            else:  # bf16 / fp16 on a GPU: tensor cores, fp32 accumulation
+                acc = tl.dot(x, w, acc)
         tl.store(y_ptr + rows[:, None] * stride_yn + cols[None, :], acc.to(y_ptr.dtype.element_ty),
                  mask=(rows[:, None] < row_end) & (cols[None, :] < n_out))
 
     @triton.jit
     def _grouped_mm_t_kernel(a_ptr, b_ptr, out_ptr, row_start_ptr, row_end_ptr, n_p, n_q,
                              stride_an, stride_bn, stride_ol, stride_op,
-                             BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr):
+                             BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr):
         # program (expert, P tile, Q tile): a reduction over the expert's rows, in a fixed order
         expert = tl.program_id(0).to(tl.int64)
         p = tl.program_id(1) * BLOCK_P + tl.arange(0, BLOCK_P)
@@ -86,7 +89,10 @@ def _kernels():
                         mask=(rows[None, :] < row_end) & (p[:, None] < n_p), other=0.0)
             b = tl.load(b_ptr + rows[:, None] * stride_bn + q[None, :],
                         mask=(rows[:, None] < row_end) & (q[None, :] < n_q), other=0.0)
-            acc += tl.dot(a.to(tl.float32), b.to(tl.float32))
+            if UPCAST:
+                acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, b, acc)
         tl.store(out_ptr + expert * stride_ol + p[:, None] * stride_op + q[None, :], acc.to(out_ptr.dtype.element_ty),
                  mask=(p[:, None] < n_p) & (q[None, :] < n_q))
 
@@ -125,6 +131,11 @@ def _torch_fits(*tensors: torch.Tensor) -> bool:
     return all((t.shape[-1] * t.element_size()) % 16 == 0 for t in tensors)
 
 
+def _upcast(t: torch.Tensor) -> bool:
+    """Dot in fp32: for fp32 inputs, and in the interpreter (CPU tensors) for every dtype."""
+    return t.dtype == torch.float32 or not t.is_cuda
+
+
 def _offsets(counts: list[int], device) -> torch.Tensor:
     return torch.cumsum(torch.tensor(counts, device=device), 0).to(torch.int32)
 
@@ -155,7 +166,7 @@ def grouped_mm(x_NI: torch.Tensor, w_LIO: torch.Tensor, counts: list[int]) -> to
     row_end = _offsets(counts, x_NI.device).to(torch.int64)
     _kernels()[0][(len(tiles), -(-O // BLOCK))](
         x_NI, w_LIO, y_NO, tile_expert, tile_row, row_end, I, O, x_NI.stride(0), w_LIO.stride(0), w_LIO.stride(1),
-        w_LIO.stride(2), y_NO.stride(0), BLOCK_N=BLOCK, BLOCK_O=BLOCK, BLOCK_I=BLOCK,
+        w_LIO.stride(2), y_NO.stride(0), BLOCK_N=BLOCK, BLOCK_O=BLOCK, BLOCK_I=BLOCK, UPCAST=_upcast(x_NI),
     )
     return y_NO
 
@@ -183,6 +194,6 @@ def grouped_mm_t(a_NP: torch.Tensor, b_NQ: torch.Tensor, counts: list[int]) -> t
     row_start = row_end - torch.tensor(counts, device=a_NP.device)
     _kernels()[1][(L, -(-P // BLOCK), -(-Q // BLOCK))](
         a_NP, b_NQ, out, row_start, row_end, P, Q, a_NP.stride(0), b_NQ.stride(0), out.stride(0), out.stride(1),
-        BLOCK_P=BLOCK, BLOCK_Q=BLOCK, BLOCK_N=BLOCK,
+        BLOCK_P=BLOCK, BLOCK_Q=BLOCK, BLOCK_N=BLOCK, UPCAST=_upcast(a_NP),
     )
     return out

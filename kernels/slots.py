@@ -51,7 +51,7 @@ def _expert_positions_kernel():
     def _expert_positions_kernel(expert_ptr, position_ptr, counts_ptr, n_choices, BLOCK_P: tl.constexpr):
         # one program per expert: a running prefix sum over the choices that chose it
         expert = tl.program_id(0)
-        seen = tl.zeros([], dtype=tl.int64)
+        seen = tl.zeros([1], dtype=tl.int64)  # a one-element block: loop-carried with a fixed type
         for start in range(0, n_choices, BLOCK_P):
             offsets = start + tl.arange(0, BLOCK_P)
             mask = offsets < n_choices
@@ -59,7 +59,7 @@ def _expert_positions_kernel():
             ranks = tl.cumsum(chosen.to(tl.int64), axis=0) - 1 + seen
             tl.store(position_ptr + offsets, ranks, mask=mask & chosen)
             seen += tl.sum(chosen.to(tl.int64), axis=0)
-        tl.store(counts_ptr + expert, seen)
+        tl.store(counts_ptr + expert + tl.arange(0, 1), seen)
 
     return _expert_positions_kernel
 
