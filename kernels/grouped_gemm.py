@@ -118,8 +118,10 @@ def _torch_grouped_mm_runs(device: torch.device, dtype: torch.dtype) -> bool:
         return False
     try:
         x = torch.ones(16, 16, device=device, dtype=dtype)
+        w = torch.ones(2, 16, 16, device=device, dtype=dtype)
         offsets = torch.tensor([8, 16], device=device, dtype=torch.int32)
-        torch._grouped_mm(x, torch.ones(2, 16, 16, device=device, dtype=dtype).transpose(1, 2), offs=offsets)
+        for weight in (w, w.transpose(1, 2)):  # the layers pass both layouts (forward, input gradient)
+            torch._grouped_mm(x, weight, offs=offsets)
         torch._grouped_mm(x.t(), x, offs=offsets)
     except (RuntimeError, TypeError, NotImplementedError):
         return False
