@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from kernels import permute, permute_reference, unpermute_combine, unpermute_combine_reference
+from tests.devices import DEVICE
 
 FP32 = {"rtol": 1e-5, "atol": 1e-5}
 BF16 = {"rtol": 1e-2, "atol": 1e-2}
@@ -36,7 +37,7 @@ def _layout(S, K, num_experts, capacity, drop_fraction, seed, packed):
         remap[used] = torch.arange(used.numel())
         row_SK = torch.where(row_SK >= 0, remap[row_SK.clamp(min=0)], -1)
         num_rows = used.numel()
-    return row_SK, num_rows
+    return row_SK.to(DEVICE), num_rows
 
 
 CASES = [
@@ -53,7 +54,7 @@ CASES = [
 @pytest.mark.parametrize("S,K,M,E,C,drop,packed", CASES)
 def test_permute_matches_reference_forward_and_backward(S, K, M, E, C, drop, packed, kernel_backend):
     row_SK, num_rows = _layout(S, K, E, C, drop, seed=S + K, packed=packed)
-    x = torch.randn(S, M, requires_grad=True)
+    x = torch.randn(S, M, requires_grad=True, device=DEVICE)
     x_ref = x.detach().clone().requires_grad_()
     out = permute(x, row_SK, num_rows)
     ref = permute_reference(x_ref, row_SK, num_rows)
@@ -67,8 +68,8 @@ def test_permute_matches_reference_forward_and_backward(S, K, M, E, C, drop, pac
 @pytest.mark.parametrize("S,K,M,E,C,drop,packed", CASES)
 def test_unpermute_combine_matches_reference_forward_and_backward(S, K, M, E, C, drop, packed, kernel_backend):
     row_SK, num_rows = _layout(S, K, E, C, drop, seed=S * 3 + K, packed=packed)
-    buffer = torch.randn(num_rows, M, requires_grad=True)
-    weight = torch.rand(S, K, requires_grad=True)
+    buffer = torch.randn(num_rows, M, requires_grad=True, device=DEVICE)
+    weight = torch.rand(S, K, requires_grad=True, device=DEVICE)
     buffer_ref = buffer.detach().clone().requires_grad_()
     weight_ref = weight.detach().clone().requires_grad_()
     out = unpermute_combine(buffer, row_SK, weight)
@@ -85,9 +86,9 @@ def test_unpermute_combine_matches_reference_forward_and_backward(S, K, M, E, C,
 
 def test_references_and_ops_pass_gradcheck_in_float64(kernel_backend):
     row_SK, num_rows = _layout(6, 2, 3, 3, 0.25, seed=7, packed=False)
-    x = torch.randn(6, 5, dtype=torch.float64, requires_grad=True)
-    buffer = torch.randn(num_rows, 5, dtype=torch.float64, requires_grad=True)
-    weight = torch.rand(6, 2, dtype=torch.float64, requires_grad=True)
+    x = torch.randn(6, 5, dtype=torch.float64, requires_grad=True, device=DEVICE)
+    buffer = torch.randn(num_rows, 5, dtype=torch.float64, requires_grad=True, device=DEVICE)
+    weight = torch.rand(6, 2, dtype=torch.float64, requires_grad=True, device=DEVICE)
     for fn in (permute, permute_reference):
         assert torch.autograd.gradcheck(lambda t: fn(t, row_SK, num_rows), (x,))
     for fn in (unpermute_combine, unpermute_combine_reference):
@@ -97,17 +98,17 @@ def test_references_and_ops_pass_gradcheck_in_float64(kernel_backend):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_precision_accumulates_in_fp32(dtype, kernel_backend):
     row_SK, num_rows = _layout(24, 2, 4, 8, 0.1, seed=1, packed=False)
-    buffer = torch.randn(num_rows, 40)
-    weight = torch.rand(24, 2)
+    buffer = torch.randn(num_rows, 40, device=DEVICE)
+    weight = torch.rand(24, 2, device=DEVICE)
     out = unpermute_combine(buffer.to(dtype), row_SK, weight)
     assert out.dtype == dtype
     expected = unpermute_combine_reference(buffer.to(dtype).float(), row_SK, weight).to(dtype)
     torch.testing.assert_close(out, expected, **BF16)
-    x = torch.randn(24, 40)
+    x = torch.randn(24, 40, device=DEVICE)
     torch.testing.assert_close(permute(x.to(dtype), row_SK, num_rows), permute_reference(x, row_SK, num_rows).to(dtype), **BF16)
     buffer_h = buffer.to(dtype).requires_grad_()
     weight_h = weight.clone().requires_grad_()
-    grad = torch.randn(24, 40)
+    grad = torch.randn(24, 40, device=DEVICE)
     unpermute_combine(buffer_h, row_SK, weight_h).backward(grad.to(dtype))
     buffer_f = buffer.to(dtype).float().requires_grad_()
     weight_f = weight.clone().requires_grad_()
@@ -118,19 +119,19 @@ def test_half_precision_accumulates_in_fp32(dtype, kernel_backend):
 
 def test_empty_rows_are_zero_and_results_deterministic(kernel_backend):
     row_SK, num_rows = _layout(10, 2, 4, 6, 0.0, seed=2, packed=False)
-    x = torch.randn(10, 12)
+    x = torch.randn(10, 12, device=DEVICE)
     buffer = permute(x, row_SK, num_rows)
     empty = torch.ones(num_rows, dtype=torch.bool)
     empty[row_SK[row_SK >= 0]] = False
     assert bool((buffer[empty] == 0).all())
-    weight = torch.rand(10, 2)
+    weight = torch.rand(10, 2, device=DEVICE)
     assert torch.equal(unpermute_combine(buffer, row_SK, weight), unpermute_combine(buffer, row_SK, weight))
 
 
 def test_bad_shapes_fail_with_the_shape():
     with pytest.raises(ValueError, match=r"row_SK must have shape \[4, K\], got \[3, 2\]"):
-        permute(torch.randn(4, 8), torch.zeros(3, 2, dtype=torch.long), 6)
+        permute(torch.randn(4, 8, device=DEVICE), torch.zeros(3, 2, dtype=torch.long, device=DEVICE), 6)
     with pytest.raises(TypeError, match="row_SK must be int64"):
-        permute(torch.randn(4, 8), torch.zeros(4, 2, dtype=torch.int32), 6)
+        permute(torch.randn(4, 8, device=DEVICE), torch.zeros(4, 2, dtype=torch.int32, device=DEVICE), 6)
     with pytest.raises(ValueError, match=r"weight_SK must have shape \[4, 2\], got \[4, 3\]"):
-        unpermute_combine(torch.randn(6, 8), torch.zeros(4, 2, dtype=torch.long), torch.rand(4, 3))
+        unpermute_combine(torch.randn(6, 8, device=DEVICE), torch.zeros(4, 2, dtype=torch.long, device=DEVICE), torch.rand(4, 3, device=DEVICE))

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from kernels.grouped_gemm import grouped_mm, grouped_mm_reference, grouped_mm_t, grouped_mm_t_reference
+from tests.devices import DEVICE
 
 FP32 = {"rtol": 1e-4, "atol": 1e-4}
 
@@ -18,15 +19,15 @@ def gemm_backend(request, monkeypatch):
 @pytest.mark.parametrize("counts,I,O", [([5, 0, 40, 3], 24, 40), ([8, 8], 16, 16), ([0, 0, 1], 7, 5), ([33], 33, 17)])
 def test_grouped_mm_matches_reference(counts, I, O, gemm_backend):
     torch.manual_seed(0)
-    x = torch.randn(sum(counts), I)
-    w = torch.randn(len(counts), O, I).transpose(1, 2)  # stacked Linear weights, as the experts pass them
+    x = torch.randn(sum(counts), I, device=DEVICE)
+    w = torch.randn(len(counts), O, I, device=DEVICE).transpose(1, 2)  # stacked Linear weights, as the experts pass them
     torch.testing.assert_close(grouped_mm(x, w, counts), grouped_mm_reference(x, w, counts), **FP32)
 
 
 @pytest.mark.parametrize("counts,P,Q", [([5, 0, 40, 3], 24, 40), ([8, 8], 16, 16), ([0, 2, 1], 7, 5)])
 def test_grouped_mm_t_matches_reference_with_empty_experts(counts, P, Q, gemm_backend):
     torch.manual_seed(1)
-    a, b = torch.randn(sum(counts), P), torch.randn(sum(counts), Q)
+    a, b = torch.randn(sum(counts), P, device=DEVICE), torch.randn(sum(counts), Q, device=DEVICE)
     out = grouped_mm_t(a, b, counts)
     torch.testing.assert_close(out, grouped_mm_t_reference(a, b, counts), **FP32)
     for e, count in enumerate(counts):
@@ -39,7 +40,7 @@ def test_bf16_accumulates_in_fp32(monkeypatch):
     monkeypatch.setenv("MOE_KERNELS", "triton")
     torch.manual_seed(2)
     counts = [20, 12]
-    x, w = torch.randn(32, 48), torch.randn(2, 48, 16)
+    x, w = torch.randn(32, 48, device=DEVICE), torch.randn(2, 48, 16, device=DEVICE)
     out = grouped_mm(x.bfloat16(), w.bfloat16(), counts)
     expected = grouped_mm_reference(x.bfloat16().float(), w.bfloat16().float(), counts).bfloat16()
     torch.testing.assert_close(out, expected, rtol=1e-2, atol=1e-2)

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from kernels import expert_positions, expert_positions_reference, route
+from tests.devices import DEVICE
 
 
 @pytest.mark.parametrize("P,E,unrouted", [(0, 4, 0.0), (1, 1, 0.0), (37, 5, 0.2), (1500, 8, 0.1), (64, 16, 0.0)])
@@ -11,6 +12,7 @@ def test_positions_match_reference(P, E, unrouted, kernel_backend):
     g = torch.Generator().manual_seed(P + E)
     expert_P = torch.randint(0, max(E // 2, 1), (P,), generator=g)  # some experts stay empty
     expert_P[torch.rand(P, generator=g) < unrouted] = -1
+    expert_P = expert_P.to(DEVICE)
     counts, positions = expert_positions(expert_P, E)
     ref_counts, ref_positions = expert_positions_reference(expert_P, E)
     assert torch.equal(counts, ref_counts) and torch.equal(positions, ref_positions)
@@ -23,7 +25,7 @@ def test_positions_follow_fill_order():
 
 
 def test_route_layouts(kernel_backend):
-    expert_P = torch.tensor([1, 1, 0, 1, -1, 0, 1])
+    expert_P = torch.tensor([1, 1, 0, 1, -1, 0, 1], device=DEVICE)
     counts, offsets, rows = route(expert_P, 3, capacity=2)
     assert counts.tolist() == [2, 4, 0] and offsets.tolist() == [0, 2, 4]
     assert rows.tolist() == [2, 3, 0, -1, -1, 1, -1]
@@ -31,4 +33,4 @@ def test_route_layouts(kernel_backend):
     assert offsets.tolist() == [0, 2, 6]
     assert rows.tolist() == [2, 3, 0, 4, -1, 1, 5]
     with pytest.raises(ValueError, match="holds expert 3, but num_experts is 3"):
-        route(torch.tensor([3]), 3)
+        route(torch.tensor([3], device=DEVICE), 3)

@@ -12,6 +12,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from moe import MoE, is_moe_param, split_params_into_different_moe_groups_for_optimizer
+from tests.devices import DEVICE
 
 FP32 = {"rtol": 1e-5, "atol": 1e-6}
 
@@ -314,8 +315,8 @@ def test_dropless_never_drops_even_with_skewed_routing():
 def test_layer_on_triton_kernels_equals_torch_path(compute, monkeypatch):
     torch.manual_seed(13)
     layer = MoE(8, _mlp(8, 12), num_experts=4, k=2, capacity_factor=0.75, min_capacity=0,
-                top2_2nd_expert_sampling=False, expert_compute=compute)
-    x = torch.randn(20, 8)
+                top2_2nd_expert_sampling=False, expert_compute=compute).to(DEVICE)
+    x = torch.randn(20, 8, device=DEVICE)
     results = []
     for backend in ("torch", "triton"):
         monkeypatch.setenv("MOE_KERNELS", backend)
@@ -345,7 +346,8 @@ def test_grouped_gemm_path_equals_per_expert_products(bias, gemm, monkeypatch):
         for p in grouped.parameters():
             p.add_(torch.randn_like(p) * 0.1)
     packed.load_state_dict(grouped.state_dict())
-    x = torch.randn(30, 8)
+    grouped, packed = grouped.to(DEVICE), packed.to(DEVICE)
+    x = torch.randn(30, 8, device=DEVICE)
     out, l_aux, _ = grouped(x)
     out2, l_aux2, _ = packed(x)
     torch.testing.assert_close(out, out2, **FP32)
