@@ -335,6 +335,10 @@ def test_layer_on_triton_kernels_equals_torch_path(compute, monkeypatch):
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("gemm", ["torch", "triton", "loop"])
 def test_grouped_gemm_path_equals_per_expert_products(bias, gemm, monkeypatch):
+    from kernels.grouped_gemm import _torch_grouped_mm_runs
+
+    if gemm == "torch" and not _torch_grouped_mm_runs(DEVICE, torch.float32):
+        pytest.skip("torch's grouped GEMM does not run for fp32 on this device")  # e.g. some GPUs: bf16 only
     monkeypatch.setenv("MOE_GROUPED_GEMM", gemm)
     monkeypatch.setenv("MOE_KERNELS", "triton" if gemm == "triton" else "auto")
     torch.manual_seed(14)
