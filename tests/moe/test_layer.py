@@ -359,3 +359,19 @@ def test_grouped_gemm_path_equals_per_expert_products(bias, gemm, monkeypatch):
     (out2.square().sum() + l_aux2).backward()
     for (name, p), p2 in zip(grouped.named_parameters(), packed.parameters()):
         torch.testing.assert_close(p.grad, p2.grad, **FP32, msg=name)
+
+
+def test_backward_twice_with_retained_graph_doubles_the_gradients():
+    torch.manual_seed(15)
+    layer = MoE(8, _mlp(8, 64), num_experts=2, k=2, min_capacity=0, top2_2nd_expert_sampling=False)
+    x = torch.randn(600, 8)  # large enough for the CPU workspace to hand out pooled buffers
+    out, l_aux, _ = layer(x)
+    loss = out.square().sum() + l_aux
+    loss.backward(retain_graph=True)
+    first = [p.grad.clone() for p in layer.parameters()]
+    layer(torch.randn(600, 8))[0].sum().backward()  # another graph in between reuses free workspace
+    for p, g in zip(layer.parameters(), first):
+        p.grad = g.clone()
+    loss.backward()
+    for p, g in zip(layer.parameters(), first):
+        torch.testing.assert_close(p.grad, 2 * g, **FP32)
