@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from moe.grouped_mlp import grouped_mlp
-from parallel import tag_expert_parameters
+from parallel import tag_expert_ids, tag_expert_parameters
 
 __all__ = ["Experts"]
 
@@ -86,10 +86,11 @@ class Experts(nn.Module):
         seed: (seed, first global expert id): re-initialise local expert l from (seed, first + l)
             with its modules' reset_parameters, so weights do not depend on the expert-parallel
             layout; None keeps DeepSpeed's identical deep copies.
+        first_expert: the global id of local expert 0 (tagged on the parameters for checkpoints).
     """
 
     def __init__(self, expert: nn.Module, num_local_experts: int = 1, expert_group_name: str | None = None,
-                 stacked: bool | str = "auto", seed: tuple[int, int] | None = None):
+                 stacked: bool | str = "auto", seed: tuple[int, int] | None = None, first_expert: int = 0):
         super().__init__()
         if not isinstance(expert, nn.Module):
             raise TypeError(f"expert must be an nn.Module, got {type(expert).__name__}")
@@ -113,9 +114,29 @@ class Experts(nn.Module):
             self.bias2 = nn.Parameter(torch.stack([c[2].bias.detach() for c in copies])) if has_bias else None
         else:
             self.deepspeed_experts = nn.ModuleList(copies)
-        if expert_group_name is not None:
-            tag_expert_parameters(self.parameters(), expert_group_name)
+        self._tags = (expert_group_name, seed[1] if seed is not None else first_expert)
+        self._tag()
         self._register_load_state_dict_pre_hook(self._convert_state_dict)
+
+    def __setstate__(self, state):
+        """Re-tag after deepcopy or unpickling: nn.Parameter's deepcopy drops its attributes."""
+        super().__setstate__(state)
+        self._tag()
+
+    def _tag(self) -> None:
+        """Tag the parameters as expert parameters of their group, and with the global experts they hold."""
+        group_name, first = self._tags
+        if group_name is not None:
+            tag_expert_parameters(self.parameters(), group_name)
+        ids = tuple(range(first, first + self.num_local_experts))
+        if self.stacked:
+            for param in self.parameters():
+                tag_expert_ids(param, ids, 0)
+            return
+        for local, expert in enumerate(self.deepspeed_experts):
+            for name, param in expert.named_parameters():
+                tag_expert_ids(param, (first + local,), None, f"deepspeed_experts.{local}.{name}",
+                               f"deepspeed_experts.{first + local}.{name}")
 
     def forward(self, buffer_NM: torch.Tensor, counts: list[int] | None = None, grouped_gemm: bool = False) -> torch.Tensor:
         """Run every expert on its rows.

@@ -181,7 +181,7 @@ class MoE(nn.Module):
         first_expert = self.ep_rank * self.num_local_experts
         experts = Experts(
             expert, self.num_local_experts, self.expert_group_name,
-            seed=(seed, first_expert) if expert_init == "per_expert_seed" else None,
+            seed=(seed, first_expert) if expert_init == "per_expert_seed" else None, first_expert=first_expert,
         )
         self.deepspeed_moe = MOELayer(
             gate, experts, self.expert_group_name, ep_size, self.num_local_experts, expert_compute, ep_group

@@ -1,3 +1,10 @@
-"""The training engine (config, ZeRO stages, loss scaler, checkpoints). Built in a later change."""
+"""The training engine: DeepSpeed-style config, ZeRO stages 0-3, fp16/bf16, offload, checkpoints.
 
-__all__: list[str] = []
+`from optim import initialize`; `engine, optimizer, loader, scheduler = initialize(model, config=...)`.
+"""
+
+from optim.config import EngineConfig, parse_config
+from optim.engine import Engine, initialize
+from optim.scaler import LossScaler, LossScalerConfig
+
+__all__ = ["Engine", "EngineConfig", "LossScaler", "LossScalerConfig", "initialize", "parse_config"]

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-__all__ = ["ExpertGroups", "expert_groups", "expert_layout", "expert_mesh", "reset_groups"]
+__all__ = ["ExpertGroups", "expert_groups", "expert_layout", "expert_mesh", "groups_for_name", "data_meshes", "reset_groups"]
 
 
 @dataclass(frozen=True)
@@ -32,6 +32,8 @@ class ExpertGroups:
 
 
 _CACHE: dict[tuple[int, bool], ExpertGroups] = {}
+_BY_NAME: dict[str, ExpertGroups] = {}
+_MESHES: dict[tuple, tuple[DeviceMesh, DeviceMesh]] = {}
 
 
 def expert_layout(world_size: int, ep_size: int, use_data_before_expert_parallel: bool = False):
@@ -79,8 +81,38 @@ def expert_groups(ep_size: int, use_data_before_expert_parallel: bool = False) -
         if rank in ranks:
             mine_edp, edp_rank = group, ranks.index(rank)
     groups = ExpertGroups(ep_size, ep_rank, mine_ep, world // ep_size, edp_rank, mine_edp, dist.group.WORLD, rank, world)
-    _CACHE[key] = groups
+    _CACHE[key] = _BY_NAME[f"ep_size_{ep_size}"] = groups
     return groups
+
+
+def groups_for_name(group_name: str) -> ExpertGroups:
+    """The groups behind an expert group name ("ep_size_<e>", as MoE layers tag their parameters).
+
+    Raises:
+        ValueError: the name is not of the form ep_size_<e>.
+    """
+    if group_name in _BY_NAME:
+        return _BY_NAME[group_name]
+    size = group_name.removeprefix("ep_size_")
+    if not size.isdigit():
+        raise ValueError(f"expert group name must look like 'ep_size_<e>', got {group_name!r}")
+    return expert_groups(int(size))
+
+
+def data_meshes(ep_size: int, use_data_before_expert_parallel: bool = False,
+                device_type: str = "cpu") -> tuple[DeviceMesh, DeviceMesh]:
+    """(the 1-D data-parallel mesh, this rank's 1-D expert-data-parallel mesh), built once per layout."""
+    key = (ep_size, use_data_before_expert_parallel, device_type)
+    if key not in _MESHES:
+        world = dist.get_world_size()
+        expert_layout(world, ep_size)
+        dp_mesh = init_device_mesh(device_type, (world,), mesh_dim_names=("dp",))
+        if use_data_before_expert_parallel:
+            mesh = init_device_mesh(device_type, (ep_size, world // ep_size), mesh_dim_names=("ep", "edp"))
+        else:
+            mesh = init_device_mesh(device_type, (world // ep_size, ep_size), mesh_dim_names=("edp", "ep"))
+        _MESHES[key] = (dp_mesh, mesh["edp"])
+    return _MESHES[key]
 
 
 def expert_mesh(ep_size: int, device_type: str = "cpu") -> DeviceMesh:
@@ -93,3 +125,5 @@ def expert_mesh(ep_size: int, device_type: str = "cpu") -> DeviceMesh:
 def reset_groups() -> None:
     """Forget cached groups (the process group itself is left alone)."""
     _CACHE.clear()
+    _BY_NAME.clear()
+    _MESHES.clear()

@@ -2,14 +2,18 @@
 
 The optimizer side never imports MoE classes; it learns which parameters belong to experts, and to
 which expert-data-parallel group, from two attributes set here (DeepSpeed's names):
-`param.allreduce = False` and `param.group_name = "<group>"`.
+`param.allreduce = False` and `param.group_name = "<group>"`. So that checkpoints can store experts
+by global id whatever the expert-parallel layout, a third attribute says which global experts a
+parameter holds: `param.expert_ids = (ids, axis, local_suffix, global_suffix)`, where axis is the
+dimension that stacks several experts (None for a parameter of one expert), and the two suffixes
+rename the parameter from this layout's module path to the one-process path (None when equal).
 """
 
 from collections.abc import Iterable
 
 import torch
 
-__all__ = ["tag_expert_parameters", "is_moe_param"]
+__all__ = ["tag_expert_parameters", "is_moe_param", "tag_expert_ids", "expert_ids"]
 
 
 def tag_expert_parameters(params: Iterable[torch.nn.Parameter], group_name: str) -> None:
@@ -32,3 +36,16 @@ def tag_expert_parameters(params: Iterable[torch.nn.Parameter], group_name: str)
 def is_moe_param(param: torch.Tensor) -> bool:
     """True when `param` was tagged as an expert parameter."""
     return hasattr(param, "allreduce") and not param.allreduce
+
+
+def tag_expert_ids(param: torch.nn.Parameter, ids: tuple[int, ...], axis: int | None,
+                   local_suffix: str | None = None, global_suffix: str | None = None) -> None:
+    """Record the global expert ids a parameter holds (stacked along `axis`, or one expert when None)."""
+    if axis is None and len(ids) != 1:
+        raise ValueError(f"a parameter of one expert must have one id, got {ids}")
+    param.expert_ids = (tuple(int(i) for i in ids), axis, local_suffix, global_suffix)
+
+
+def expert_ids(param: torch.Tensor):
+    """(ids, axis, local_suffix, global_suffix) for a tagged expert parameter, else None."""
+    return getattr(param, "expert_ids", None)

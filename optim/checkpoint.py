@@ -1,0 +1,314 @@
+"""Checkpoints that reshard: a layout-free view written with torch.distributed.checkpoint.
+
+What is stored is the one-process view, not this layout's shards: `model/<name>` holds each full
+parameter (the fp32 master when there is one) and `optim/<name>/<state>` each optimizer state, with
+stacked expert parameters cut per global expert (`<name>#expert<g>`) and per-expert modules under
+their global index. Each entry is written once, by its owner (rank 0 for dense parameters, expert-
+data-parallel rank 0 for experts), so every rank writes its share in parallel. Any (world size,
+ep size, ZeRO stage) reads the entries it needs and cuts its own shards. Counters, scaler, scheduler,
+param-group settings, client state and every rank's RNG states go to `meta.pt`.
+
+Atomicity: everything is written into `.<tag>.partial`; rank 0 then records every file's size and
+CRC-32 in `manifest.json`, renames the folder to `<tag>` and only then rewrites `latest`. Loading
+checks the manifest first, so a truncated or half-written checkpoint fails with a clear error and
+the previous one, untouched, still loads. Files are read with `torch.load(weights_only=True)` and
+DCP; nothing is unpickled as code.
+"""
+
+import json
+import os
+import shutil
+import zlib
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+__all__ = ["save", "load", "consolidated_state_dict", "verify"]
+
+_FORMAT = 1
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _barrier() -> None:
+    if _distributed():
+        dist.barrier()
+
+
+def _owner(engine, unit) -> bool:
+    return unit.group_rank == 0 if unit.expert else engine.rank == 0
+
+
+def _sharded_states(engine, unit) -> dict:
+    """The optimizer's state for a unit: tensors shaped like its shard, and scalars."""
+    state = engine.optimizer.state.get(unit.proxy, {})
+    return {name: value for name, value in sorted(state.items()) if isinstance(value, torch.Tensor)}
+
+
+def _is_sharded(unit, value: torch.Tensor) -> bool:
+    return value.dim() >= 1 and value.shape == unit.master.shape
+
+
+def _global_view(engine, with_optimizer: bool = True) -> dict[str, torch.Tensor]:
+    """The entries this rank owns, as full per-parameter tensors (collective over each unit's group)."""
+    out = {}
+    for unit in engine.units:
+        owner = _owner(engine, unit)
+        fulls = unit.gather(unit.master)
+        if owner:
+            for info, full in zip(unit.infos, fulls):
+                for key, piece in zip(info.keys(), info.split(full)):
+                    out[f"model/{key}"] = piece.detach().cpu().contiguous()
+        if not with_optimizer:
+            continue
+        for name, value in _sharded_states(engine, unit).items():
+            pieces = unit.gather(value) if _is_sharded(unit, value) else [value] * len(unit.infos)
+            if owner:
+                for info, full in zip(unit.infos, pieces):
+                    split = info.split(full) if _is_sharded(unit, value) else [full] * len(info.keys())
+                    for key, piece in zip(info.keys(), split):
+                        out[f"optim/{key}/{name}"] = piece.detach().cpu().contiguous()
+    if engine.rank == 0:
+        parameters = {name for name, _ in engine.module.named_parameters()}
+        for name, buffer in engine.module.state_dict().items():
+            if name not in parameters:
+                out[f"buffer/{name}"] = buffer.detach().cpu().contiguous()
+    return out
+
+
+def _rng_state() -> dict:
+    state = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _manifest(folder: str) -> dict:
+    entries = {}
+    for root, _, files in os.walk(folder):
+        for name in sorted(files):
+            path = os.path.join(root, name)
+            entries[os.path.relpath(path, folder)] = _manifest_entry(path)
+    return entries
+
+
+def _write_atomically(path: str, text: str) -> None:
+    temporary = f"{path}.tmp"
+    with open(temporary, "w") as handle:
+        handle.write(text)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(temporary, path)
+
+
+def save(engine, save_dir: str, tag: str | None, client_state: dict, save_latest: bool = True) -> str:
+    """Write a checkpoint of `engine` under save_dir/tag (collective); returns its folder."""
+    tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
+    if not tag or "/" in tag or tag.startswith("."):
+        raise ValueError(f"checkpoint tag must be a plain folder name, got {tag!r}")
+    final, partial = os.path.join(save_dir, tag), os.path.join(save_dir, f".{tag}.partial")
+    if engine.rank == 0:
+        os.makedirs(save_dir, exist_ok=True)
+        shutil.rmtree(partial, ignore_errors=True)
+        os.makedirs(partial)
+    _barrier()
+    dcp.save(_global_view(engine), storage_writer=dcp.FileSystemWriter(partial))
+    rng = [None] * engine.world_size
+    if _distributed():
+        dist.all_gather_object(rng, _rng_state())
+    else:
+        rng = [_rng_state()]
+    if engine.rank == 0:
+        meta = {
+            "format": _FORMAT, "global_steps": engine.global_steps, "micro_steps": engine.micro_steps,
+            "skipped_steps": engine.skipped_steps, "world_size": engine.world_size, "stage": engine.stage,
+            "scaler": engine.scaler.state_dict() if engine.scaler is not None else None,
+            "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
+            "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in engine.optimizer.param_groups],
+            "client_state": client_state, "rng": rng,
+        }
+        torch.save(meta, os.path.join(partial, "meta.pt"))
+        _write_atomically(os.path.join(partial, "manifest.json"), json.dumps(_manifest(partial), indent=1))
+        if os.path.exists(final):  # same tag again: replace the old folder only once the new one is whole
+            old = os.path.join(save_dir, f".{tag}.old")
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(final, old)
+            os.replace(partial, final)
+            shutil.rmtree(old)
+        else:
+            os.replace(partial, final)
+        if save_latest:
+            _write_atomically(os.path.join(save_dir, "latest"), tag)
+    _barrier()
+    return final
+
+
+def verify(path: str) -> None:
+    """Check a checkpoint folder against its manifest.
+
+    Raises:
+        RuntimeError: the folder, its manifest or a file is missing, or a file's size or CRC differs.
+    """
+    manifest_path = os.path.join(path, "manifest.json")
+    if not os.path.isfile(manifest_path):
+        raise RuntimeError(f"checkpoint {path} is incomplete: it has no manifest.json (interrupted while writing?)")
+    with open(manifest_path) as handle:
+        manifest = json.load(handle)
+    for relative, expected in manifest.items():
+        file = os.path.join(path, relative)
+        if not os.path.isfile(file):
+            raise RuntimeError(f"checkpoint {path} is incomplete: {relative} is missing")
+        actual = _manifest_entry(file)
+        if actual != expected:
+            raise RuntimeError(
+                f"checkpoint {path} is corrupt: {relative} has {actual['bytes']} bytes (CRC {actual['crc32']}), "
+                f"the manifest says {expected['bytes']} bytes (CRC {expected['crc32']}); truncated or overwritten?"
+            )
+
+
+def _manifest_entry(path: str) -> dict:
+    crc = 0
+    with open(path, "rb") as handle:
+        while chunk := handle.read(1 << 22):
+            crc = zlib.crc32(chunk, crc)
+    return {"bytes": os.path.getsize(path), "crc32": crc}
+
+
+def _resolve(load_dir: str, tag: str | None) -> str:
+    if tag is None:
+        latest = os.path.join(load_dir, "latest")
+        if not os.path.isfile(latest):
+            raise FileNotFoundError(f"no checkpoint to load: {latest} does not exist; pass tag= or save first")
+        with open(latest) as handle:
+            tag = handle.read().strip()
+    path = os.path.join(load_dir, str(tag))
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"checkpoint {path} does not exist")
+    return path
+
+
+def _checked_path(engine, load_dir: str, tag: str | None) -> str:
+    """Resolve and verify on rank 0; every rank raises the same error."""
+    outcome = [None]
+    if engine.rank == 0:
+        try:
+            path = _resolve(load_dir, tag)
+            verify(path)
+            outcome = [("ok", path)]
+        except (OSError, RuntimeError, ValueError) as error:
+            outcome = [(type(error).__name__, str(error))]
+    if _distributed():
+        dist.broadcast_object_list(outcome, src=0)
+    kind, text = outcome[0]
+    if kind == "FileNotFoundError":
+        raise FileNotFoundError(text)
+    if kind != "ok":
+        raise RuntimeError(text)
+    return text
+
+
+def _targets(engine, metadata, with_optimizer: bool) -> dict[str, torch.Tensor]:
+    """Empty tensors for every entry this rank needs, shaped and typed as saved."""
+    stored = metadata.state_dict_metadata
+    wanted = []
+    for unit in engine.units:
+        for info in unit.infos:
+            for key in info.keys():
+                if f"model/{key}" not in stored:
+                    raise RuntimeError(
+                        f"checkpoint has no entry for parameter {key}: saved from a different model "
+                        "(or with a different expert count)?"
+                    )
+                wanted.append(f"model/{key}")
+                if with_optimizer:
+                    wanted += [k for k in stored if k.startswith(f"optim/{key}/")]
+    wanted += [k for k in stored if k.startswith("buffer/")]
+    targets = {}
+    for key in wanted:
+        entry = stored[key]
+        targets[key] = torch.empty(tuple(entry.size), dtype=entry.properties.dtype)
+    return targets
+
+
+def load(engine, load_dir: str, tag: str | None, load_optimizer_states: bool = True,
+         load_lr_scheduler_states: bool = True):
+    """Load a checkpoint into `engine` whatever layout wrote it (collective); returns (path, client_state)."""
+    path = _checked_path(engine, load_dir, tag)
+    meta = torch.load(os.path.join(path, "meta.pt"), weights_only=True)
+    if meta.get("format") != _FORMAT:
+        raise RuntimeError(f"checkpoint {path} has format {meta.get('format')}, this version reads {_FORMAT}")
+    reader = dcp.FileSystemReader(path)
+    targets = _targets(engine, reader.read_metadata(), load_optimizer_states)
+    dcp.load(targets, storage_reader=reader)
+    for unit in engine.units:
+        fulls = [info.join([targets[f"model/{k}"] for k in info.keys()]) for info in unit.infos]
+        unit.load_master([f.to(unit.master.dtype) for f in fulls])
+        if load_optimizer_states:
+            _load_unit_state(engine, unit, targets)
+    module_state = engine.module.state_dict()
+    with torch.no_grad():
+        for key, value in targets.items():
+            if key.startswith("buffer/") and key[7:] in module_state:
+                module_state[key[7:]].copy_(value)
+    engine.global_steps, engine.micro_steps = meta["global_steps"], meta["micro_steps"]
+    engine.skipped_steps = meta["skipped_steps"]
+    if engine.scaler is not None and meta["scaler"] is not None:
+        engine.scaler.load_state_dict(meta["scaler"])
+    if load_optimizer_states and len(meta["param_groups"]) == len(engine.optimizer.param_groups):
+        for group, saved in zip(engine.optimizer.param_groups, meta["param_groups"]):
+            group.update({k: v for k, v in saved.items() if k not in ("name", "moe")})
+    if load_lr_scheduler_states and engine.lr_scheduler is not None and meta["lr_scheduler"] is not None:
+        engine.lr_scheduler.load_state_dict(meta["lr_scheduler"])
+    rng = meta["rng"][engine.rank % len(meta["rng"])]
+    torch.set_rng_state(rng["cpu"])
+    if "cuda" in rng and torch.cuda.is_available():
+        torch.cuda.set_rng_state(rng["cuda"])
+    engine.zero_grad()
+    return path, meta["client_state"]
+
+
+def _load_unit_state(engine, unit, targets: dict) -> None:
+    """Rebuild the optimizer state of one unit from the full per-parameter states."""
+    first = unit.infos[0].keys()[0]
+    names = [k[len(f"optim/{first}/"):] for k in targets if k.startswith(f"optim/{first}/")]
+    state = {}
+    for name in names:
+        sample = targets[f"optim/{first}/{name}"]
+        per_param = [info.join([targets[f"optim/{k}/{name}"] for k in info.keys()]) for info in unit.infos]
+        if per_param[0].shape == unit.infos[0].param.shape and per_param[0].dim() >= 1:
+            value = unit.slice_of(per_param).to(unit.master.device, engine.state_dtype).clone()
+        else:
+            value = sample.clone()
+        state[name] = value
+    if state:
+        engine.optimizer.state[unit.proxy] = state
+
+
+def consolidated_state_dict(engine) -> dict | None:
+    """The full model state_dict on rank 0 (None elsewhere), as a one-process model names it (collective)."""
+    view = _global_view(engine, with_optimizer=False)
+    gathered = [None] * engine.world_size if engine.rank == 0 else None
+    if _distributed():
+        dist.gather_object(view, gathered, dst=0)
+    else:
+        gathered = [view]
+    if engine.rank != 0:
+        return None
+    entries = {k: v for part in gathered for k, v in part.items()}
+    out = {}
+    for unit in engine.units:
+        for info in unit.infos:
+            if info.expert and info.axis is not None:
+                prefix = f"model/{info.global_name}#expert"
+                ids = sorted(int(k[len(prefix):]) for k in entries if k.startswith(prefix))
+                value = torch.stack([entries[f"{prefix}{g}"] for g in ids], info.axis)
+            else:
+                value = entries[f"model/{info.global_name}"]
+            out[info.global_name] = value.to(info.param.dtype)
+    for key, value in entries.items():
+        if key.startswith("buffer/"):
+            out[key[7:]] = value
+    return out

@@ -1,0 +1,308 @@
+"""The engine's configuration: DeepSpeed's JSON keys parsed once into nested dataclasses.
+
+`parse_config(dict or JSON path, world_size)` checks every key and type at the edge: an unknown key
+or a wrong type raises with the key's full path (`zero_optimization.stage`). Keys DeepSpeed knows
+that change nothing here (bucket sizes, overlap switches, ...) are accepted and listed once in a
+warning. After parsing, no code looks anything up in a dict.
+"""
+
+import dataclasses
+import json
+import os
+import types
+import typing
+import warnings
+from dataclasses import dataclass, field
+
+__all__ = ["EngineConfig", "parse_config"]
+
+
+@dataclass(kw_only=True)
+class OptimizerConfig:
+    """`optimizer`: type Adam, AdamW or SGD (any case) and its keyword arguments."""
+
+    type: str
+    params: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.type.lower() not in ("adam", "adamw", "sgd"):
+            raise ValueError(f"optimizer.type must be Adam, AdamW or SGD, got {self.type!r}")
+
+
+@dataclass(kw_only=True)
+class SchedulerConfig:
+    """`scheduler`: WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle or LRRangeTest, and its params."""
+
+    type: str
+    params: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        valid = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "LRRangeTest")
+        if self.type not in valid:
+            raise ValueError(f"scheduler.type must be one of {', '.join(valid)}, got {self.type!r}")
+
+
+@dataclass(kw_only=True)
+class FP16Config:
+    """`fp16`: half precision with a dynamic loss scaler (static when loss_scale > 0)."""
+
+    enabled: bool = False
+    loss_scale: float = 0.0
+    initial_scale_power: int = 16
+    loss_scale_window: int = 1000
+    hysteresis: int = 2
+    consecutive_hysteresis: bool = False
+    min_loss_scale: float = 1.0
+    auto_cast: bool = False
+    fp16_master_weights_and_grads: bool = False
+
+    def __post_init__(self):
+        _check_range("fp16.loss_scale", self.loss_scale, 0)
+        _check_range("fp16.initial_scale_power", self.initial_scale_power, 0)
+        _check_range("fp16.loss_scale_window", self.loss_scale_window, 1)
+        _check_range("fp16.hysteresis", self.hysteresis, 1)
+        if not self.min_loss_scale > 0:
+            raise ValueError(f"fp16.min_loss_scale must be > 0, got {self.min_loss_scale}")
+        if self.fp16_master_weights_and_grads:
+            raise ValueError("fp16.fp16_master_weights_and_grads=true is not supported; use false")
+
+
+@dataclass(kw_only=True)
+class BF16Config:
+    """`bf16`: bfloat16 compute; fp32 master weights unless the two low-precision flags are set."""
+
+    enabled: bool = False
+    bf16_master_weights_and_grads: bool = False
+    bf16_optimizer_states: bool = False
+    immediate_grad_update: bool = True
+    check_grad_overflow: bool = False
+
+    def __post_init__(self):
+        if self.bf16_optimizer_states and not self.bf16_master_weights_and_grads:
+            raise ValueError("bf16.bf16_optimizer_states=true needs bf16.bf16_master_weights_and_grads=true")
+
+
+@dataclass(kw_only=True)
+class TorchAutocastConfig:
+    """`torch_autocast`: run the forward under torch.autocast with `dtype`."""
+
+    enabled: bool = False
+    dtype: str = "bfloat16"
+    lower_precision_safe_modules: list = field(default_factory=list)
+
+    def __post_init__(self):
+        if self.dtype not in ("bfloat16", "float16", "bf16", "fp16", "torch.bfloat16", "torch.float16"):
+            raise ValueError(f"torch_autocast.dtype must be bfloat16 or float16, got {self.dtype!r}")
+
+
+@dataclass(kw_only=True)
+class OffloadConfig:
+    """`zero_optimization.offload_optimizer` / `offload_param`: device none or cpu."""
+
+    device: str = "none"
+    pin_memory: bool = True
+    nvme_path: str | None = None
+    buffer_count: int = 4
+    buffer_size: int = 100_000_000
+    max_in_cpu: int = 1_000_000_000
+    fast_init: bool = False
+    ratio: float = 1.0
+
+    def __post_init__(self):
+        if self.device not in ("none", "cpu"):
+            raise ValueError(f"offload device must be 'none' or 'cpu', got {self.device!r} (nvme is not supported)")
+
+
+@dataclass(kw_only=True)
+class ZeroConfig:
+    """`zero_optimization`: the stage and its offload; the other keys are DeepSpeed tuning knobs."""
+
+    stage: int = 0
+    offload_optimizer: OffloadConfig = field(default_factory=OffloadConfig)
+    offload_param: OffloadConfig = field(default_factory=OffloadConfig)
+    overlap_comm: bool = False
+    reduce_bucket_size: int = 500_000_000
+    contiguous_gradients: bool = True
+    allgather_partitions: bool = True
+    allgather_bucket_size: int = 500_000_000
+    reduce_scatter: bool = True
+    round_robin_gradients: bool = False
+    sub_group_size: int = 1_000_000_000
+    stage3_max_live_parameters: int = 1_000_000_000
+    stage3_max_reuse_distance: int = 1_000_000_000
+    stage3_prefetch_bucket_size: int = 50_000_000
+    stage3_param_persistence_threshold: int = 100_000
+    stage3_gather_16bit_weights_on_model_save: bool = False
+    load_from_fp32_weights: bool = True
+    elastic_checkpoint: bool = False
+    ignore_unused_parameters: bool = True
+
+    def __post_init__(self):
+        if self.stage not in (0, 1, 2, 3):
+            raise ValueError(f"zero_optimization.stage must be 0, 1, 2 or 3, got {self.stage}")
+        if self.offload_param.device != "none" and self.stage != 3:
+            raise ValueError(
+                f"zero_optimization.offload_param needs stage 3, got stage {self.stage}"
+            )
+
+
+@dataclass(kw_only=True)
+class TensorBoardConfig:
+    """`tensorboard`: scalars written on rank 0 under output_path/job_name."""
+
+    enabled: bool = False
+    output_path: str = ""
+    job_name: str = "DeepSpeedJobName"
+
+
+@dataclass(kw_only=True)
+class EngineConfig:
+    """The whole configuration; batch sizes are resolved against the data-parallel world size."""
+
+    train_batch_size: int | None = None
+    train_micro_batch_size_per_gpu: int | None = None
+    gradient_accumulation_steps: int | None = None
+    optimizer: OptimizerConfig | None = None
+    scheduler: SchedulerConfig | None = None
+    gradient_clipping: float = 0.0
+    fp16: FP16Config = field(default_factory=FP16Config)
+    bf16: BF16Config = field(default_factory=BF16Config)
+    torch_autocast: TorchAutocastConfig = field(default_factory=TorchAutocastConfig)
+    zero_optimization: ZeroConfig = field(default_factory=ZeroConfig)
+    steps_per_print: int = 10
+    wall_clock_breakdown: bool = False
+    memory_breakdown: bool = False
+    tensorboard: TensorBoardConfig = field(default_factory=TensorBoardConfig)
+    prescale_gradients: bool = False
+    gradient_predivide_factor: float = 1.0
+    zero_allow_untested_optimizer: bool = True
+    communication_data_type: str | None = None
+    dump_state: bool = False
+
+    def __post_init__(self):
+        if self.fp16.enabled and self.bf16.enabled:
+            raise ValueError("fp16.enabled and bf16.enabled cannot both be true")
+        _check_range("gradient_clipping", self.gradient_clipping, 0)
+        _check_range("steps_per_print", self.steps_per_print, 1)
+
+    @property
+    def low_precision(self) -> str | None:
+        """'fp16', 'bf16' or None (fp32 parameters)."""
+        return "fp16" if self.fp16.enabled else "bf16" if self.bf16.enabled else None
+
+
+# Keys DeepSpeed knows that change nothing in this engine; a user who sets them is told once.
+_WITHOUT_EFFECT = {
+    "zero_optimization": (
+        "overlap_comm", "reduce_bucket_size", "contiguous_gradients", "allgather_partitions",
+        "allgather_bucket_size", "reduce_scatter", "round_robin_gradients", "sub_group_size",
+        "stage3_max_live_parameters", "stage3_max_reuse_distance", "stage3_prefetch_bucket_size",
+        "stage3_param_persistence_threshold", "stage3_gather_16bit_weights_on_model_save",
+        "load_from_fp32_weights", "elastic_checkpoint", "ignore_unused_parameters",
+    ),
+    "offload": ("nvme_path", "buffer_count", "buffer_size", "max_in_cpu", "fast_init", "ratio"),
+    "fp16": ("auto_cast",),
+    "bf16": ("immediate_grad_update", "check_grad_overflow"),
+    "torch_autocast": ("lower_precision_safe_modules",),
+    "": ("prescale_gradients", "gradient_predivide_factor", "zero_allow_untested_optimizer",
+         "communication_data_type", "dump_state"),
+}
+
+
+def _check_range(path: str, value, low) -> None:
+    if value < low:
+        raise ValueError(f"{path} must be >= {low}, got {value}")
+
+
+def _type_name(hint) -> str:
+    return getattr(hint, "__name__", str(hint))
+
+
+def _convert(hint, value, path: str, ignored: list[str]):
+    """Check `value` against the type hint, recursing into nested config dataclasses."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        options = typing.get_args(hint)
+        if value is None and type(None) in options:
+            return None
+        hint = next(h for h in options if h is not type(None))
+    if dataclasses.is_dataclass(hint):
+        return _parse(hint, value, path, ignored)
+    hint = typing.get_origin(hint) or hint
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if hint is int and isinstance(value, float) and value.is_integer():
+        return int(value)
+    if not isinstance(value, hint) or (hint is int and isinstance(value, bool)):
+        raise TypeError(f"{path} must be {_type_name(hint)}, got {type(value).__name__} {value!r}")
+    return value
+
+
+def _parse(cls, data, path: str, ignored: list[str]):
+    if not isinstance(data, dict):
+        raise TypeError(f"{path or 'config'} must be a JSON object, got {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    prefix = f"{path}." if path else ""
+    for key in data:
+        if key not in names:
+            raise ValueError(f"unknown config key {prefix}{key}; valid keys here: {', '.join(sorted(names))}")
+    section = "offload" if cls is OffloadConfig else path.split(".")[-1]
+    for key in _WITHOUT_EFFECT.get(section, ()):
+        if key in data:
+            ignored.append(prefix + key)
+    kwargs = {key: _convert(hints[key], value, prefix + key, ignored) for key, value in data.items()}
+    try:
+        return cls(**kwargs)
+    except TypeError as error:  # a required key is missing
+        raise ValueError(f"{path or 'config'}: {error}") from None
+
+
+def _resolve_batch(config: EngineConfig, world_size: int) -> None:
+    """Fill the missing one of (train_batch_size, micro batch, accumulation) and check the three agree."""
+    total, micro, accum = config.train_batch_size, config.train_micro_batch_size_per_gpu, config.gradient_accumulation_steps
+    for name, value in (("train_batch_size", total), ("train_micro_batch_size_per_gpu", micro),
+                        ("gradient_accumulation_steps", accum)):
+        if value is not None and value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+    if total is None and micro is None:
+        raise ValueError("config needs train_batch_size or train_micro_batch_size_per_gpu")
+    if total is not None and micro is not None and accum is None:
+        accum = total // (micro * world_size)
+    elif total is not None and micro is None:
+        accum = accum or 1
+        micro = total // (accum * world_size)
+    elif total is None:
+        accum = accum or 1
+        total = micro * accum * world_size
+    if micro < 1 or accum < 1 or total != micro * accum * world_size:
+        raise ValueError(
+            f"train_batch_size ({config.train_batch_size}) must equal train_micro_batch_size_per_gpu "
+            f"({config.train_micro_batch_size_per_gpu}) * gradient_accumulation_steps "
+            f"({config.gradient_accumulation_steps}) * world size ({world_size})"
+        )
+    config.train_batch_size, config.train_micro_batch_size_per_gpu, config.gradient_accumulation_steps = total, micro, accum
+
+
+def parse_config(config: dict | str | os.PathLike, world_size: int) -> EngineConfig:
+    """Parse a config dict or JSON file into an EngineConfig.
+
+    Args:
+        config: the DeepSpeed-style dict, or the path of a JSON file holding it.
+        world_size: the data-parallel world size the batch sizes are resolved against.
+
+    Returns:
+        the parsed config, batch sizes filled in.
+
+    Raises:
+        ValueError: an unknown key, a bad value or inconsistent batch sizes, naming the key.
+        TypeError: a value of the wrong type, naming the key.
+    """
+    if isinstance(config, (str, os.PathLike)):
+        with open(config) as handle:
+            config = json.load(handle)
+    ignored: list[str] = []
+    parsed = _parse(EngineConfig, config, "", ignored)
+    _resolve_batch(parsed, world_size)
+    if ignored:
+        warnings.warn(f"config keys accepted for compatibility, without effect here: {', '.join(ignored)}", stacklevel=3)
+    return parsed

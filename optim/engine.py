@@ -1,0 +1,522 @@
+"""The training engine: `initialize(model, config=...)` and the `Engine` it returns.
+
+The engine coordinates pieces usable alone: the parsed config (`optim.config`), the ZeRO units that
+hold parameters, gradients and master weights (`optim.zero`), a plain torch optimizer stepping on the
+units' shards, DeepSpeed's schedules (`optim.schedulers`), the fp16 loss scaler (`optim.scaler`) and
+checkpoints (`optim.checkpoint`). Stage 3 hands parameter sharding to torch's `fully_shard`: expert
+modules on their expert-data-parallel mesh, the whole model on the data-parallel mesh.
+
+Gradient scaling: every floating tensor the engine's forward returns passes through an identity
+whose backward multiplies the incoming gradient by loss_scale / gradient_accumulation_steps. So a
+plain `loss.backward()` (or `out.backward(grad)`) gets the same gradients as `engine.backward(loss)`,
+which instead scales the loss itself (and so also covers loss terms that bypass the outputs).
+"""
+
+import contextlib
+import os
+import time
+import warnings
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils._pytree import tree_map
+
+from optim import checkpoint
+from optim.config import EngineConfig, parse_config
+from optim.scaler import LossScaler, LossScalerConfig
+from optim.schedulers import build_scheduler
+from optim.zero import FlatGroup, ShardedParam, describe_parameters
+from parallel import data_meshes, groups_for_name
+
+__all__ = ["Engine", "initialize"]
+
+_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """Identity forward; backward multiplies by the engine's gradient factor (unless engine.backward runs)."""
+
+    @staticmethod
+    def forward(ctx, tensor, engine):
+        ctx.engine = engine
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx, grad):
+        engine = ctx.engine
+        return (grad if engine._in_engine_backward else grad * engine._grad_factor()), None
+
+
+def _distributed() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size(), dist.get_rank()
+    return 1, 0
+
+
+def _param_groups(model: nn.Module, model_parameters, optimizer) -> tuple[list[dict], dict]:
+    """The user's param groups (dicts) and the optimizer defaults to rebuild with, if one was given."""
+    defaults = {}
+    if isinstance(optimizer, torch.optim.Optimizer):
+        groups, defaults = optimizer.param_groups, dict(optimizer.defaults)
+    elif model_parameters is None:
+        groups = [{"params": [p for p in model.parameters() if p.requires_grad]}]
+    else:
+        items = list(model_parameters)
+        groups = items if items and isinstance(items[0], dict) else [{"params": items}]
+    return [dict(g, params=list(g["params"])) for g in groups], defaults
+
+
+def _split_expert_groups(groups: list[dict], infos: dict) -> list[dict]:
+    """Each group's dense parameters, then one group per expert group name flagged moe=True."""
+    out = []
+    for index, group in enumerate(groups):
+        params = [p for p in group["params"] if id(p) in infos]
+        by_name: dict[str, list] = {}
+        for param in params:
+            if infos[id(param)].expert:
+                by_name.setdefault(infos[id(param)].group_name, []).append(param)
+        dense = [p for p in params if not infos[id(p)].expert]
+        options = {k: v for k, v in group.items() if k != "params"}
+        if dense:
+            out.append({**options, "params": dense, "moe": False})
+        for name, expert_params in by_name.items():
+            out.append({**options, "params": expert_params, "moe": True, "name": options.get("name", f"group_{index}")
+                        if options.get("moe") else name})
+    return out
+
+
+def _build_optimizer(config: EngineConfig, optimizer, defaults: dict, groups: list[dict]) -> torch.optim.Optimizer:
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return type(optimizer)(groups, **defaults)
+    if callable(optimizer):
+        return optimizer(groups)
+    if config.optimizer is None:
+        raise ValueError("no optimizer: pass optimizer= to initialize or set the config key optimizer")
+    params = dict(config.optimizer.params)
+    kind = config.optimizer.type.lower()
+    if kind == "adam":
+        cls = torch.optim.AdamW if params.pop("adam_w_mode", True) else torch.optim.Adam
+        params.pop("torch_adam", None)
+    else:
+        cls = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}[kind]
+    import inspect
+
+    accepted = set(inspect.signature(cls.__init__).parameters) - {"self", "params"}
+    for key in params:
+        if key not in accepted:
+            raise ValueError(f"unknown config key optimizer.params.{key} for {config.optimizer.type}; "
+                             f"valid: {', '.join(sorted(accepted))}")
+    if "betas" in params:
+        params["betas"] = tuple(params["betas"])
+    return cls(groups, **params)
+
+
+class Engine:
+    """A model trained with ZeRO, mixed precision and checkpoints; built by `initialize`.
+
+    Attributes:
+        module: the wrapped model.
+        optimizer: the torch optimizer stepping on this rank's master-weight shards.
+        lr_scheduler: the schedule, or None.
+        global_steps: optimizer steps taken (skipped fp16 steps included, as in DeepSpeed).
+        micro_steps: micro-batches seen.
+    """
+
+    def __init__(self, model: nn.Module, config: EngineConfig, model_parameters=None, optimizer=None,
+                 lr_scheduler=None):
+        self.config = config
+        self.world_size, self.rank = _distributed()
+        self.stage = config.zero_optimization.stage
+        self.accumulation = config.gradient_accumulation_steps
+        self.device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}") if torch.cuda.is_available() \
+            else torch.device("cpu")
+        self.module = model.to(self.device)
+        self.global_steps = self.micro_steps = self.skipped_steps = 0
+        self._in_engine_backward = False
+        self._skipped_last = False
+        self._timers = {"forward": 0.0, "backward": 0.0, "step": 0.0}
+        low = config.low_precision
+        self.compute_dtype = _DTYPES.get(low, torch.float32)
+        bf16_master = low == "bf16" and config.bf16.bf16_master_weights_and_grads
+        self.master_dtype = torch.bfloat16 if bf16_master else torch.float32
+        self.state_dtype = torch.bfloat16 if bf16_master and config.bf16.bf16_optimizer_states else torch.float32
+        self._warn_offload()
+        self._broadcast_initial_state()
+        infos = describe_parameters(self.module, lambda name: groups_for_name(name).ep_rank)
+        user_groups, defaults = _param_groups(self.module, model_parameters, optimizer)
+        groups = [dict(g, params=[infos[id(p)] for p in g["params"]]) for g in _split_expert_groups(user_groups, infos)]
+        if self.stage == 3:
+            self._shard_stage3(infos)
+        elif low is not None:
+            self.module.to(self.compute_dtype)
+        self.units = self._build_units(groups)
+        opt_groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [u.proxy for u in units]}
+                      for g, units in zip(groups, self._units_by_group)]
+        self.optimizer = _build_optimizer(config, optimizer, defaults, opt_groups)
+        self.lr_scheduler = self._build_scheduler(lr_scheduler)
+        self.scaler = LossScaler(LossScalerConfig(
+            static_scale=config.fp16.loss_scale, initial_scale_power=config.fp16.initial_scale_power,
+            loss_scale_window=config.fp16.loss_scale_window, hysteresis=config.fp16.hysteresis,
+            consecutive_hysteresis=config.fp16.consecutive_hysteresis, min_loss_scale=config.fp16.min_loss_scale,
+        )) if low == "fp16" else None
+        self._writer = self._tensorboard()
+
+    # Set-up helpers.
+
+    def _warn_offload(self) -> None:
+        zero = self.config.zero_optimization
+        offloads = [name for name, o in (("offload_optimizer", zero.offload_optimizer), ("offload_param", zero.offload_param))
+                    if o.device == "cpu"]
+        self.offload = bool(offloads) and self.device.type != "cpu"
+        if offloads and not self.offload:
+            warnings.warn(f"zero_optimization.{' and '.join(offloads)} has no effect: the model is already in host memory",
+                          stacklevel=3)
+
+    def _broadcast_initial_state(self) -> None:
+        """Start every replica from the same values: dense from rank 0, experts from their edp rank 0."""
+        if self.world_size == 1:
+            return
+        with torch.no_grad():
+            for param in self.module.parameters():
+                if hasattr(param, "allreduce") and not param.allreduce:
+                    groups = groups_for_name(param.group_name)
+                    dist.broadcast(param.data, src=dist.get_global_rank(groups.edp_group, 0), group=groups.edp_group)
+                else:
+                    dist.broadcast(param.data, src=0)
+            for buffer in self.module.buffers():
+                dist.broadcast(buffer.data, src=0)
+
+    def _shard_stage3(self, infos: dict) -> None:
+        """fully_shard expert modules over their edp mesh, then the model over the dp mesh."""
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+        low = self.config.low_precision
+        if low is not None and self.master_dtype == torch.bfloat16:
+            self.module.to(torch.bfloat16)
+            policy = MixedPrecisionPolicy()
+        elif low is not None:
+            policy = MixedPrecisionPolicy(param_dtype=self.compute_dtype, reduce_dtype=torch.float32)
+        else:
+            policy = MixedPrecisionPolicy()
+        offload = CPUOffloadPolicy(pin_memory=True) if self.offload else None
+        kwargs = {"mp_policy": policy, **({"offload_policy": offload} if offload else {})}
+        by_name = {info.name: info for info in infos.values()}
+        all_expert = {}
+        for name, module in self.module.named_modules():
+            names = [f"{name}.{n}" if name else n for n, p in module.named_parameters() if p.requires_grad]
+            all_expert[name] = bool(names) and all(n in by_name and by_name[n].expert for n in names)
+        for name, module in self.module.named_modules():
+            parent = name.rpartition(".")[0] if name else None
+            if all_expert[name] and (parent is None or not all_expert.get(parent, False)):
+                groups = groups_for_name(by_name[_first_name(name, module)].group_name)
+                _, edp_mesh = data_meshes(groups.ep_size, device_type=self.device.type)
+                fully_shard(module, mesh=edp_mesh, **kwargs)
+                module.set_gradient_divide_factor(float(self.world_size))
+        dp_mesh, _ = data_meshes(1, device_type=self.device.type)
+        fully_shard(self.module, mesh=dp_mesh, **kwargs)
+        for name, param in self.module.named_parameters():  # fully_shard replaced the parameters
+            if name in by_name:
+                by_name[name].param = param
+
+    def _build_units(self, groups: list[dict]) -> list:
+        units, self._units_by_group = [], []
+        master_device = torch.device("cpu") if self.offload and self.stage < 3 else self.device
+        for group in groups:
+            members = group["params"]
+            if self.stage == 3:
+                group_units = [ShardedParam(info, self.state_dtype) for info in members]
+            else:
+                comm, size, rank = self._reduction_group(members[0])
+                group_units = [FlatGroup(members, comm, size, rank, self.stage, self.master_dtype, self.state_dtype,
+                                         master_device)]
+            units.extend(group_units)
+            self._units_by_group.append(group_units)
+        return units
+
+    def _reduction_group(self, info):
+        """(group, size, this rank's position) over which this parameter's gradients are summed."""
+        if self.world_size == 1:
+            return None, 1, 0
+        if info.expert:
+            groups = groups_for_name(info.group_name)
+            return (groups.edp_group if groups.edp_size > 1 else None), groups.edp_size, groups.edp_rank
+        return dist.group.WORLD, self.world_size, self.rank
+
+    def _build_scheduler(self, lr_scheduler):
+        if lr_scheduler is not None:
+            return lr_scheduler(self.optimizer) if callable(lr_scheduler) and not hasattr(lr_scheduler, "step") \
+                else lr_scheduler
+        if self.config.scheduler is None:
+            return None
+        return build_scheduler(self.config.scheduler.type, self.optimizer, dict(self.config.scheduler.params))
+
+    def _tensorboard(self):
+        board = self.config.tensorboard
+        if not board.enabled or self.rank != 0:
+            return None
+        from torch.utils.tensorboard import SummaryWriter
+
+        return SummaryWriter(log_dir=os.path.join(board.output_path or "runs", board.job_name))
+
+    # Training.
+
+    def _grad_factor(self) -> float:
+        return self.loss_scale / self.accumulation
+
+    @property
+    def loss_scale(self) -> float:
+        """The current fp16 loss scale (1.0 without fp16)."""
+        return self.scaler.scale if self.scaler is not None else 1.0
+
+    def _cast_inputs(self, value):
+        if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dtype != self.compute_dtype:
+            return value.to(self.compute_dtype)
+        return value
+
+    def __call__(self, *args, **kwargs):
+        return self.forward(*args, **kwargs)
+
+    def forward(self, *args, **kwargs):
+        """Run the model; floating inputs are cast to the fp16/bf16 compute dtype, outputs get the grad factor."""
+        start = time.perf_counter()
+        if self.config.low_precision is not None:
+            args, kwargs = tree_map(self._cast_inputs, (args, kwargs))
+        autocast = self.config.torch_autocast
+        context = torch.autocast(self.device.type, dtype=torch.float16 if "16" in autocast.dtype and "b" not in
+                                 autocast.dtype else torch.bfloat16) if autocast.enabled else contextlib.nullcontext()
+        with context:
+            output = self.module(*args, **kwargs)
+        if torch.is_grad_enabled():
+            output = tree_map(lambda t: _ScaleGrad.apply(t, self) if isinstance(t, torch.Tensor) and t.requires_grad
+                              and t.is_floating_point() else t, output)
+        self._timers["forward"] += time.perf_counter() - start
+        return output
+
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> None:
+        """loss.backward() with the loss scale and the 1 / gradient_accumulation_steps factor applied."""
+        start = time.perf_counter()
+        self._in_engine_backward = True
+        try:
+            (loss.float() * self._grad_factor()).backward(retain_graph=retain_graph)
+        finally:
+            self._in_engine_backward = False
+        if self._writer is not None and loss.numel() == 1:
+            self._writer.add_scalar("Train/Samples/train_loss", loss.item(), self._samples())
+        self._timers["backward"] += time.perf_counter() - start
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        return (self.micro_steps + 1) % self.accumulation == 0
+
+    def step(self) -> None:
+        """Count a micro-batch; at the accumulation boundary reduce, check, clip and step."""
+        start = time.perf_counter()
+        boundary = self.is_gradient_accumulation_boundary()
+        for unit in self.units:
+            unit.micro_step(self.world_size)
+        self.micro_steps += 1
+        if boundary:
+            self._optimizer_step()
+            self.global_steps += 1
+            self._report()
+        self._timers["step"] += time.perf_counter() - start
+
+    def _optimizer_step(self) -> None:
+        for unit in self.units:
+            unit.reduce(self.world_size)
+        grads = [unit.grad() for unit in self.units]
+        self._skipped_last = self.scaler is not None and self._any_overflow(grads)
+        if self._skipped_last:
+            self.skipped_steps += 1
+            self.scaler.update(True)
+            self.zero_grad()
+            return
+        proxies = self._prepare_proxies(grads)
+        if self.config.gradient_clipping > 0:
+            norm = self._global_norm()
+            coefficient = self.config.gradient_clipping / (norm + 1e-6)
+            if coefficient < 1:
+                for proxy in proxies:
+                    proxy.grad.mul_(coefficient)
+        self.optimizer.step()
+        for unit in self.units:
+            if unit.swapped:
+                unit.master.copy_(unit.proxy.detach())
+                unit.proxy.data = torch.empty(0, dtype=self.state_dtype, device=unit.master.device)
+            unit.proxy.grad = None
+            unit.write_back()
+        self.zero_grad()
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.step()
+        if self.scaler is not None:
+            self.scaler.update(False)
+
+    def _any_overflow(self, grads: list[torch.Tensor]) -> bool:
+        """True when any rank's gradients hold inf or nan (agreed by all ranks)."""
+        local = any(bool((~torch.isfinite(g)).any()) for g in grads if g.numel())
+        flag = torch.tensor([1.0 if local else 0.0], device=self.device)
+        if self.world_size > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def _prepare_proxies(self, grads: list[torch.Tensor]) -> list[nn.Parameter]:
+        """Give each proxy its gradient in the optimizer's dtype and device, unscaled."""
+        proxies, inverse = [], 1.0 / self.loss_scale
+        for unit, grad in zip(self.units, grads):
+            proxy = unit.proxy
+            if unit.swapped:  # bf16 master weights with fp32 optimizer states: step on an fp32 copy
+                proxy.data = unit.master.to(self.state_dtype)
+            converted = grad.to(proxy.device, proxy.dtype)
+            if inverse != 1.0:
+                converted = converted * inverse if converted is grad else converted.mul_(inverse)
+            proxy.grad = converted
+            proxies.append(proxy)
+        return proxies
+
+    def _global_norm(self) -> float:
+        """The L2 norm of all gradients over all ranks, counting each element once."""
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        for unit in self.units:
+            if unit.counts_once() and unit.proxy.grad.numel():
+                total += unit.proxy.grad.double().pow(2).sum().to(self.device)
+        if self.world_size > 1:
+            dist.all_reduce(total)
+        return float(total.sqrt())
+
+    def zero_grad(self) -> None:
+        """Clear accumulated gradients (buffers are kept and zeroed)."""
+        for unit in self.units:
+            unit.zero_grad()
+
+    def was_step_skipped(self) -> bool:
+        """Whether the last optimizer step was skipped for an fp16 overflow."""
+        return self._skipped_last
+
+    def get_lr(self) -> list[float]:
+        return [group["lr"] for group in self.optimizer.param_groups]
+
+    def train(self, mode: bool = True):
+        self.module.train(mode)
+        return self
+
+    def eval(self):
+        return self.train(False)
+
+    def parameters(self, recurse: bool = True):
+        return self.module.parameters(recurse)
+
+    def named_parameters(self, *args, **kwargs):
+        return self.module.named_parameters(*args, **kwargs)
+
+    def _samples(self) -> int:
+        return self.global_steps * self.config.train_batch_size
+
+    def _report(self) -> None:
+        if self._writer is not None:
+            self._writer.add_scalar("Train/Samples/lr", self.get_lr()[0], self._samples())
+            self._writer.add_scalar("Train/Samples/loss_scale", self.loss_scale, self._samples())
+        if self.rank == 0 and self.global_steps % self.config.steps_per_print == 0:
+            line = f"step={self.global_steps} skipped={self.skipped_steps} lr={self.get_lr()} loss_scale={self.loss_scale}"
+            if self.config.wall_clock_breakdown:
+                line += " " + " ".join(f"{k}_ms={v * 1000:.1f}" for k, v in self._timers.items())
+                self._timers = dict.fromkeys(self._timers, 0.0)
+            print(line, flush=True)
+        if self.config.memory_breakdown and self.global_steps % self.config.steps_per_print == 0:
+            print(f"rank {self.rank} memory: {self.memory_breakdown()}", flush=True)
+
+    # Memory and state.
+
+    def memory_breakdown(self) -> dict:
+        """This rank's bytes of model states: parameters, gradients and optimizer states.
+
+        Master weights kept apart from the model's parameters (fp32 copies of fp16/bf16 weights) count
+        as optimizer states, as in the ZeRO paper's accounting.
+
+        Returns:
+            {"parameters", "gradients", "optimizer_states", "total"} in bytes, and the same three for
+            "dense" and "expert" parameters separately.
+        """
+        parts = {kind: {"parameters": 0, "gradients": 0, "optimizer_states": 0} for kind in ("dense", "expert")}
+        managed = set()
+        for unit in self.units:
+            kind = parts["expert" if unit.expert else "dense"]
+            held = unit.tensors()
+            kind["parameters"] += sum(_nbytes(t) for t in held["parameters"])
+            kind["gradients"] += sum(_nbytes(t) for t in held["gradients"])
+            kind["optimizer_states"] += sum(_nbytes(t) for t in held["master"])
+            for value in self.optimizer.state.get(unit.proxy, {}).values():
+                if isinstance(value, torch.Tensor):
+                    kind["optimizer_states"] += _nbytes(value)
+            managed.update(id(info.param) for info in unit.infos)
+        for param in self.module.parameters():
+            if id(param) not in managed:  # frozen parameters
+                parts["dense"]["parameters"] += _nbytes(param.to_local() if hasattr(param, "to_local") else param)
+        report = {key: parts["dense"][key] + parts["expert"][key] for key in parts["dense"]}
+        report["total"] = sum(report.values())
+        return {**report, **parts}
+
+    def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict | None = None,
+                        save_latest: bool = True) -> str:
+        """Save model, optimizer, scheduler, scaler, counters and RNG states atomically (collective).
+
+        Returns:
+            the checkpoint's directory.
+        """
+        return checkpoint.save(self, save_dir, tag, client_state or {}, save_latest)
+
+    def load_checkpoint(self, load_dir: str, tag: str | None = None, load_optimizer_states: bool = True,
+                        load_lr_scheduler_states: bool = True):
+        """Load a checkpoint saved at any world size, ep size and stage (collective).
+
+        Returns:
+            (path, client_state).
+        """
+        return checkpoint.load(self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states)
+
+    def consolidated_state_dict(self) -> dict | None:
+        """The full model state_dict, as a one-process model with every expert names it, on rank 0 (collective)."""
+        return checkpoint.consolidated_state_dict(self)
+
+
+def _first_name(prefix: str, module: nn.Module) -> str:
+    name = next(n for n, p in module.named_parameters() if p.requires_grad)
+    return f"{prefix}.{name}" if prefix else name
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def initialize(model: nn.Module, model_parameters=None, config=None, training_data=None, optimizer=None,
+               lr_scheduler=None, config_params=None, **_ignored):
+    """Wrap a model for training (DeepSpeed's `deepspeed.initialize`).
+
+    Args:
+        model: the model; MoE layers' expert parameters carry `allreduce=False` and `group_name`.
+        model_parameters: parameters or param groups to optimize (groups flagged `moe: True` are
+            welcome; expert parameters are split out of unflagged groups); default all trainable ones.
+        config: a DeepSpeed-style dict or JSON path (`config_params` is accepted as its alias).
+        training_data: an optional Dataset; a DataLoader over this rank's share is returned.
+        optimizer: a torch optimizer (rebuilt over the engine's shards with the same settings) or a
+            callable taking param groups; else the config's `optimizer`.
+        lr_scheduler: a schedule or a callable taking the optimizer; else the config's `scheduler`.
+
+    Returns:
+        (engine, optimizer, dataloader or None, lr_scheduler or None).
+
+    Raises:
+        ValueError, TypeError: a bad config key or value, naming the key, before any training.
+    """
+    if config is None:
+        config = config_params
+    if config is None:
+        raise ValueError("initialize needs config: a dict or the path of a JSON file")
+    world_size, rank = _distributed()
+    parsed = parse_config(config, world_size)
+    engine = Engine(model, parsed, model_parameters, optimizer, lr_scheduler)
+    loader = None
+    if training_data is not None:
+        sampler = torch.utils.data.DistributedSampler(training_data, world_size, rank) if world_size > 1 else None
+        loader = torch.utils.data.DataLoader(training_data, batch_size=parsed.train_micro_batch_size_per_gpu,
+                                             sampler=sampler, shuffle=sampler is None)
+    return engine, engine.optimizer, loader, engine.lr_scheduler

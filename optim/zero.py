@@ -1,0 +1,313 @@
+"""ZeRO sharding of parameters, gradients and optimizer states, dense and expert alike.
+
+Every optimizer param group is held by one of two kinds of unit, and the optimizer steps on each
+unit's `proxy` parameter (this rank's piece of the master weights):
+
+- `FlatGroup` (stages 0, 1, 2, written here; torch has no element-balanced ZeRO-1/2): the group's
+  parameters become views into one flat buffer, padded to a multiple of the reduction group's size.
+  Stage 0 all-reduces the flat gradient and steps on all of it; stage 1 all-reduces it and steps on
+  this rank's slice; stage 2 reduce-scatters after every micro-batch into a persistent gradient shard,
+  so full gradients never outlive one backward. After the step the updated slices are all-gathered.
+- `ShardedParam` (stage 3): the parameter is a DTensor sharded by torch's `fully_shard`; the proxy
+  is its local shard and its gradient FSDP's reduce-scattered local gradient.
+
+Dense parameters reduce over the data-parallel group and expert parameters over their
+expert-data-parallel group; either way the sum is divided by the data-parallel world size, because an
+expert's gradient must be the average over every token of the global batch (the one-process run).
+Master weights are separate fp32 copies when the model computes in fp16/bf16, otherwise the proxy
+is the model's own storage.
+"""
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from parallel import expert_ids, is_moe_param
+
+__all__ = ["FlatGroup", "ParamInfo", "ShardedParam", "describe_parameters"]
+
+
+@dataclass
+class ParamInfo:
+    """A trainable parameter and the facts the engine needs about it."""
+
+    name: str
+    param: nn.Parameter
+    expert: bool
+    group_name: str | None
+    ids: tuple[int, ...] | None
+    axis: int | None
+    global_name: str
+
+    def keys(self) -> list[str]:
+        """Checkpoint keys: one per global expert for stacked experts, else the one-process name."""
+        if self.expert and self.axis is not None:
+            return [f"{self.global_name}#expert{g}" for g in self.ids]
+        return [self.global_name]
+
+    def split(self, full: torch.Tensor) -> list[torch.Tensor]:
+        """The tensor cut into the pieces that `keys()` names."""
+        if self.expert and self.axis is not None:
+            return list(full.unbind(self.axis))
+        return [full]
+
+    def join(self, pieces: list[torch.Tensor]) -> torch.Tensor:
+        if self.expert and self.axis is not None:
+            return torch.stack(pieces, self.axis)
+        return pieces[0]
+
+
+def describe_parameters(model: nn.Module, ep_rank_of) -> dict[int, ParamInfo]:
+    """ParamInfo for every trainable parameter, by id; `ep_rank_of(group_name)` for untagged experts."""
+    infos = {}
+    for name, param in model.named_parameters():
+        if not param.requires_grad or id(param) in infos:
+            continue
+        expert = is_moe_param(param)
+        tag = expert_ids(param) if expert else None
+        ids = axis = None
+        global_name = name
+        if tag is not None:
+            ids, axis, local_suffix, global_suffix = tag
+            if local_suffix is not None and name.endswith(local_suffix):
+                global_name = name[: -len(local_suffix)] + global_suffix
+        elif expert:  # tagged by hand without ids: only the same expert-parallel layout can reload it
+            global_name = f"{name}@ep_rank{ep_rank_of(param.group_name)}"
+        infos[id(param)] = ParamInfo(name, param, expert, getattr(param, "group_name", None), ids, axis, global_name)
+    return infos
+
+
+def _reduce(tensor: torch.Tensor, group, divisor: float, scatter_into: torch.Tensor | None = None) -> None:
+    """Sum over `group` and divide, in fp32 on the wire; into `scatter_into` (this rank's slice) when given."""
+    wire = tensor if tensor.dtype in (torch.float32, torch.float64) else tensor.float()
+    if scatter_into is None:
+        if group is not None:
+            dist.all_reduce(wire, group=group)
+        wire.div_(divisor)
+        if wire is not tensor:
+            tensor.copy_(wire)
+        return
+    out = torch.empty(scatter_into.shape, dtype=wire.dtype, device=wire.device)
+    if group is not None:
+        dist.reduce_scatter_single(out, wire, group=group)
+    else:
+        out.copy_(wire)
+    scatter_into.add_(out.div_(divisor))
+
+
+class FlatGroup:
+    """One param group's parameters in one flat buffer, sharded over `group` (stages 0-2).
+
+    Args:
+        infos: the group's parameters, in order.
+        group: the reduction process group (data-parallel or expert-data-parallel), None alone.
+        group_size, group_rank: its size and this rank's position.
+        stage: ZeRO stage 0, 1 or 2.
+        master_dtype: dtype of the master weights (fp32, or bf16 with bf16 master weights).
+        state_dtype: dtype the optimizer steps in (its states take this dtype).
+        master_device: where master weights and optimizer states live (host memory when offloaded).
+    """
+
+    def __init__(self, infos: list[ParamInfo], group, group_size: int, group_rank: int, stage: int,
+                 master_dtype: torch.dtype, state_dtype: torch.dtype, master_device: torch.device):
+        self.infos, self.group, self.stage = infos, group, stage
+        self.group_size, self.group_rank = group_size, group_rank
+        self.expert = infos[0].expert
+        params = [info.param for info in infos]
+        dtype, device = params[0].dtype, params[0].device
+        self.numels = [p.numel() for p in params]
+        self.offsets = [0] + list(_cumsum(self.numels))[:-1]
+        shards = group_size if stage >= 1 else 1
+        self.total = sum(self.numels)
+        self.shard = max(1, math.ceil(self.total / shards))
+        self.lo = group_rank * self.shard if stage >= 1 else 0
+        self.flat = torch.zeros(self.shard * shards, dtype=dtype, device=device)
+        with torch.no_grad():
+            for param, offset, numel in zip(params, self.offsets, self.numels):
+                self.flat[offset : offset + numel].copy_(param.detach().reshape(-1))
+                param.data = self.flat[offset : offset + numel].view_as(param)
+        own = self.flat[self.lo : self.lo + self.shard]
+        separate = self.separate = master_dtype != dtype or master_device != device
+        self.master = own.to(master_device, master_dtype, copy=True) if separate else own
+        if separate and master_device.type == "cpu" and device.type == "cuda":
+            self.master = self.master.pin_memory()
+        self.state_dtype = state_dtype
+        self.swapped = state_dtype != master_dtype
+        self.proxy = nn.Parameter(self.master if state_dtype == master_dtype else torch.empty(0, dtype=state_dtype),
+                                  requires_grad=True)
+        self.flat_grad = torch.zeros_like(self.flat) if stage <= 1 else None
+        self.grad_shard = torch.zeros(self.shard, dtype=dtype, device=device) if stage == 2 else None
+        self._point_grads()
+
+    def _views(self, buffer: torch.Tensor):
+        for info, offset, numel in zip(self.infos, self.offsets, self.numels):
+            yield info.param, buffer[offset : offset + numel].view_as(info.param)
+
+    def _point_grads(self) -> None:
+        """Stages 0/1: make every .grad a view into the flat gradient, keeping what it held."""
+        if self.flat_grad is None:
+            return
+        for param, view in self._views(self.flat_grad):
+            if param.grad is None:
+                view.zero_()
+            elif param.grad.data_ptr() != view.data_ptr():
+                view.copy_(param.grad)
+            param.grad = view
+
+    def micro_step(self, divisor: float) -> None:
+        """After each backward: stage 2 reduce-scatters the gradients into its shard and frees them."""
+        if self.stage != 2:
+            return
+        grads = [p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel(), dtype=p.dtype, device=p.device)
+                 for p in (info.param for info in self.infos)]
+        padding = self.flat.numel() - self.total
+        if padding:
+            grads.append(torch.zeros(padding, dtype=self.flat.dtype, device=self.flat.device))
+        _reduce(torch.cat(grads), self.group, divisor, scatter_into=self.grad_shard)
+        for info in self.infos:
+            info.param.grad = None
+
+    def reduce(self, divisor: float) -> None:
+        """At the accumulation boundary: stages 0/1 all-reduce the flat gradient."""
+        if self.stage <= 1:
+            self._point_grads()
+            _reduce(self.flat_grad, self.group, divisor)
+
+    def grad(self) -> torch.Tensor:
+        """This rank's reduced gradient slice (model dtype)."""
+        if self.stage == 2:
+            return self.grad_shard
+        return self.flat_grad[self.lo : self.lo + self.shard]
+
+    def counts_once(self) -> bool:
+        """Whether this rank's gradient slice counts in the global norm (stage 0 replicates it)."""
+        return self.stage >= 1 or self.group_rank == 0
+
+    def write_back(self) -> None:
+        """Copy the stepped master into the model's flat buffer and share the slices."""
+        own = self.flat[self.lo : self.lo + self.shard]
+        if self.separate:
+            own.copy_(self.master)
+        if self.stage >= 1 and self.group is not None:
+            dist.all_gather_single(self.flat, own.clone(), group=self.group)
+
+    def zero_grad(self) -> None:
+        if self.flat_grad is not None:
+            self.flat_grad.zero_()
+            self._point_grads()
+        if self.grad_shard is not None:
+            self.grad_shard.zero_()
+            for info in self.infos:
+                info.param.grad = None
+
+    # Checkpoints: per-parameter full tensors from this group's slices, and back.
+
+    def gather(self, piece: torch.Tensor) -> list[torch.Tensor]:
+        """Full per-parameter tensors from this rank's slice of a flat tensor (collective in stages 1-2)."""
+        if self.stage >= 1 and self.group is not None:
+            full = torch.empty(self.shard * self.group_size, dtype=piece.dtype, device=piece.device)
+            dist.all_gather_single(full, piece.contiguous(), group=self.group)
+        else:
+            full = piece
+        return [full[o : o + n].view_as(i.param) for i, o, n in zip(self.infos, self.offsets, self.numels)]
+
+    def slice_of(self, fulls: list[torch.Tensor]) -> torch.Tensor:
+        """This rank's slice of the flat concatenation of per-parameter full tensors."""
+        flat = torch.cat([f.reshape(-1) for f in fulls])
+        flat = torch.nn.functional.pad(flat, (0, self.shard * (self.group_size if self.stage >= 1 else 1) - self.total))
+        return flat[self.lo : self.lo + self.shard]
+
+    def load_master(self, fulls: list[torch.Tensor]) -> None:
+        own = self.slice_of(fulls)
+        with torch.no_grad():
+            if self.separate:
+                self.master.copy_(own)
+            self.flat[self.lo : self.lo + self.shard].copy_(own)
+            if self.stage >= 1 and self.group is not None:
+                dist.all_gather_single(self.flat, self.flat[self.lo : self.lo + self.shard].clone(), group=self.group)
+
+    def tensors(self) -> dict[str, list[torch.Tensor]]:
+        """Bytes held, by kind, for the memory report."""
+        grads = [self.flat_grad if self.flat_grad is not None else self.grad_shard]
+        return {"parameters": [self.flat], "gradients": grads,
+                "master": [self.master] if self.separate else []}
+
+
+class ShardedParam:
+    """A parameter sharded by fully_shard (stage 3): the optimizer steps on its local shard.
+
+    Args:
+        info: the parameter (a DTensor after fully_shard).
+        state_dtype: dtype the optimizer steps in.
+    """
+
+    def __init__(self, info: ParamInfo, state_dtype: torch.dtype):
+        self.infos = [info]
+        self.expert = info.expert
+        param = info.param
+        self.mesh = param.device_mesh
+        self.group = self.mesh.get_group()
+        self.group_size, self.group_rank = self.mesh.size(), self.mesh.get_local_rank()
+        self.master = param.to_local()
+        self.state_dtype = state_dtype
+        self.swapped = state_dtype != self.master.dtype
+        self.proxy = nn.Parameter(self.master if state_dtype == self.master.dtype else torch.empty(0, dtype=state_dtype),
+                                  requires_grad=True)
+        self.rows = param.shape[0] if param.dim() else 1
+        self.chunk = math.ceil(self.rows / self.group_size)
+        self.start = min(self.group_rank * self.chunk, self.rows)
+        with torch.no_grad():  # a persistent sharded gradient, accumulated into by FSDP's reduce-scatter
+            param.grad = torch.zeros_like(param)
+
+    def micro_step(self, divisor: float) -> None:
+        pass
+
+    def reduce(self, divisor: float) -> None:
+        pass
+
+    def grad(self) -> torch.Tensor:
+        return self.infos[0].param.grad.to_local()
+
+    def counts_once(self) -> bool:
+        return True
+
+    def write_back(self) -> None:
+        pass
+
+    def zero_grad(self) -> None:
+        param = self.infos[0].param
+        if param.grad is None:
+            with torch.no_grad():
+                param.grad = torch.zeros_like(param)
+        else:
+            param.grad.to_local().zero_()
+
+    def gather(self, piece: torch.Tensor) -> list[torch.Tensor]:
+        """The full tensor from this rank's rows (fully_shard cuts dim 0 in ceil-sized chunks)."""
+        shape = self.infos[0].param.shape
+        padded = torch.zeros((self.chunk,) + tuple(shape[1:]), dtype=piece.dtype, device=piece.device)
+        padded[: piece.shape[0]].copy_(piece)
+        full = torch.empty((self.chunk * self.group_size,) + tuple(shape[1:]), dtype=piece.dtype, device=piece.device)
+        dist.all_gather_single(full, padded, group=self.group)
+        return [full[: self.rows].reshape(shape)]
+
+    def slice_of(self, fulls: list[torch.Tensor]) -> torch.Tensor:
+        return fulls[0][self.start : self.start + self.master.shape[0]]
+
+    def load_master(self, fulls: list[torch.Tensor]) -> None:
+        with torch.no_grad():
+            self.master.copy_(self.slice_of(fulls))
+
+    def tensors(self) -> dict[str, list[torch.Tensor]]:
+        grad = self.infos[0].param.grad
+        return {"parameters": [self.master], "gradients": [grad.to_local()] if grad is not None else [], "master": []}
+
+
+def _cumsum(values):
+    total = 0
+    for value in values:
+        total += value
+        yield total
