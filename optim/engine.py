@@ -213,6 +213,7 @@ class Engine:
                 _, edp_mesh = data_meshes(groups.ep_size, device_type=self.device.type)
                 fully_shard(module, mesh=edp_mesh, **kwargs)
                 module.set_gradient_divide_factor(float(self.world_size))
+                module.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
         dp_mesh, _ = data_meshes(1, device_type=self.device.type)
         fully_shard(self.module, mesh=dp_mesh, **kwargs)
         for name, param in self.module.named_parameters():  # fully_shard replaced the parameters

@@ -251,7 +251,7 @@ class ShardedParam:
         self.mesh = param.device_mesh
         self.group = self.mesh.get_group()
         self.group_size, self.group_rank = self.mesh.size(), self.mesh.get_local_rank()
-        self.master = param.to_local()
+        self.master = param.detach().to_local()  # the live local shard, outside autograd
         self.state_dtype = state_dtype
         self.swapped = state_dtype != self.master.dtype
         self.proxy = nn.Parameter(self.master if state_dtype == self.master.dtype else torch.empty(0, dtype=state_dtype),
