@@ -162,10 +162,13 @@ class Experts(nn.Module):
         if len(counts) != self.num_local_experts or sum(counts) != buffer_NM.shape[0]:
             raise ValueError(f"counts {counts} must have {self.num_local_experts} entries summing to {buffer_NM.shape[0]}")
         if self.stacked:
-            return grouped_mlp(
-                buffer_NM, self.weight1, self.bias1, self.weight2, self.bias2, counts, self.activation,
-                self.approximate, grouped_gemm,
-            )
+            weights = (self.weight1, self.bias1, self.weight2, self.bias2)
+            device_type = buffer_NM.device.type
+            if torch.is_autocast_enabled(device_type):  # autocast does not reach the grouped products
+                dtype = torch.get_autocast_dtype(device_type)
+                buffer_NM = buffer_NM.to(dtype)
+                weights = tuple(w.to(dtype) if w is not None else None for w in weights)
+            return grouped_mlp(buffer_NM, *weights, counts, self.activation, self.approximate, grouped_gemm)
         outputs = []
         for expert, chunk in zip(self.deepspeed_experts, torch.split(buffer_NM, counts)):
             out = expert(chunk)

@@ -307,7 +307,7 @@ def consolidated_state_dict(engine) -> dict | None:
                 value = torch.stack([entries[f"{prefix}{g}"] for g in ids], info.axis)
             else:
                 value = entries[f"model/{info.global_name}"]
-            out[info.global_name] = value.to(info.param.dtype)
+            out[info.global_name] = value
     for key, value in entries.items():
         if key.startswith("buffer/"):
             out[key[7:]] = value

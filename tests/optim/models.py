@@ -11,12 +11,12 @@ M, H, E, CLASSES = 8, 16, 4, 5
 class Net(nn.Module):
     """Linear -> ReLU -> MoE (top-2, E experts) -> Linear; returns (logits, l_aux)."""
 
-    def __init__(self, ep_size: int = 1, hidden: int = H, experts: int = E):
+    def __init__(self, ep_size: int = 1, hidden: int = H, experts: int = E, k: int = 2, capacity_factor: float = 1.0):
         super().__init__()
         torch.manual_seed(0)
         self.inp = nn.Linear(M, M)
         self.moe = MoE(M, nn.Sequential(nn.Linear(M, hidden), nn.GELU(), nn.Linear(hidden, M)), num_experts=experts,
-                       ep_size=ep_size, k=2, capacity_factor=1.0, min_capacity=0, use_rts=False,
+                       ep_size=ep_size, k=k, capacity_factor=capacity_factor, min_capacity=0, use_rts=False,
                        top2_2nd_expert_sampling=False, expert_init="per_expert_seed", seed=7)
         self.out = nn.Linear(M, CLASSES)
 
@@ -49,10 +49,13 @@ def reference_steps(model, optimizer, steps, world, accumulation, clip, first_st
         optimizer.zero_grad()
 
 
-def config(stage, accumulation=2, clip=0.05, **extra):
+ADAMW = {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.1}}
+
+
+def config(stage, accumulation=2, clip=0.05, optimizer=ADAMW, **extra):
     return {
         "train_micro_batch_size_per_gpu": 6, "gradient_accumulation_steps": accumulation, "gradient_clipping": clip,
-        "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.1}},
+        "optimizer": optimizer,
         "zero_optimization": {"stage": stage}, **extra,
     }
 

@@ -15,7 +15,14 @@ from tests.distributed import run_distributed
 from tests.optim.models import Net, config, engine_steps, reference_steps
 
 FP32 = {"rtol": 1e-5, "atol": 1e-6}
-BF16 = {"rtol": 3e-2, "atol": 2e-2}
+# bf16 holds about 3 significant digits: parameters near 0.5 are stored to within 2e-3.
+BF16 = {"rtol": 1e-2, "atol": 5e-3}
+# SGD for the bf16 twin: its update is linear in the gradient, so a wrong gradient shows; Adam's
+# normalised update flips sign on near-zero gradients and would hide or exaggerate precision effects.
+SGD = {"type": "SGD", "params": {"lr": 1.0, "momentum": 0.9}}
+# Every token goes to every expert with room to spare: top-k choices and capacity drops are
+# discontinuous, and a near tie decided differently in bf16 would change a gradient by a whole token.
+CONTINUOUS = {"k": 4, "capacity_factor": 2.0}
 WORLD, ACCUMULATION, CLIP, STEPS = 4, 2, 0.05, 3
 
 
@@ -26,9 +33,9 @@ def _reference_state():
     return reference.state_dict()
 
 
-def _train(rank, ep_size, stage, **extra):
+def _train(rank, ep_size, stage, clip=CLIP, net=None, **extra):
     reset_groups()
-    engine, *_ = initialize(Net(ep_size=ep_size), config=config(stage, ACCUMULATION, CLIP, **extra))
+    engine, *_ = initialize(Net(ep_size=ep_size, **(net or {})), config=config(stage, ACCUMULATION, clip, **extra))
     engine_steps(engine, STEPS, rank, ACCUMULATION)
     return engine, engine.consolidated_state_dict()
 
@@ -52,13 +59,14 @@ def test_every_stage_matches_one_process(ep_size):
 
 
 def _check_bf16(rank, world, stage):
-    _, fp32 = _train(rank, 2, stage)
-    _, bf16 = _train(rank, 2, stage, bf16={"enabled": True})
-    _, low = _train(rank, 2, stage, bf16={"enabled": True, "bf16_master_weights_and_grads": True,
-                                          "bf16_optimizer_states": True})
+    _, fp32 = _train(rank, 2, stage, clip=0, net=CONTINUOUS, optimizer=SGD)
+    _, bf16 = _train(rank, 2, stage, clip=0, net=CONTINUOUS, optimizer=SGD, bf16={"enabled": True})
+    _, low = _train(rank, 2, stage, clip=0, net=CONTINUOUS, optimizer=SGD, bf16={"enabled": True, "bf16_master_weights_and_grads": True,
+                                                         "bf16_optimizer_states": True})
     if rank == 0:
+        initial = Net(1, **CONTINUOUS).state_dict()
         for name, value in fp32.items():
-            assert bf16[name].dtype == torch.bfloat16
+            assert (value - initial[name]).abs().max() > 0.01, f"{name} moved too little to compare"
             torch.testing.assert_close(bf16[name].float(), value, **BF16, msg=lambda m: f"{name}: {m}")
             torch.testing.assert_close(low[name].float(), value, **BF16, msg=lambda m: f"{name}: {m}")
 
