@@ -26,7 +26,7 @@ from optim import checkpoint
 from optim.config import EngineConfig, parse_config
 from optim.scaler import LossScaler, LossScalerConfig
 from optim.schedulers import build_scheduler
-from optim.zero import FlatGroup, ShardedParam, describe_parameters
+from optim.zero import FlatGroup, ShardedParam, describe_parameters, shard_placement
 from parallel import data_meshes, groups_for_name
 
 __all__ = ["Engine", "initialize"]
@@ -211,11 +211,11 @@ class Engine:
             if all_expert[name] and (parent is None or not all_expert.get(parent, False)):
                 groups = groups_for_name(by_name[_first_name(name, module)].group_name)
                 _, edp_mesh = data_meshes(groups.ep_size, device_type=self.device.type)
-                fully_shard(module, mesh=edp_mesh, **kwargs)
+                fully_shard(module, mesh=edp_mesh, shard_placement_fn=shard_placement(edp_mesh.size()), **kwargs)
                 module.set_gradient_divide_factor(float(self.world_size))
                 module.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
         dp_mesh, _ = data_meshes(1, device_type=self.device.type)
-        fully_shard(self.module, mesh=dp_mesh, **kwargs)
+        fully_shard(self.module, mesh=dp_mesh, shard_placement_fn=shard_placement(dp_mesh.size()), **kwargs)
         for name, param in self.module.named_parameters():  # fully_shard replaced the parameters
             if name in by_name:
                 by_name[name].param = param

@@ -27,7 +27,7 @@ from torch import nn
 
 from parallel import expert_ids, is_moe_param
 
-__all__ = ["FlatGroup", "ParamInfo", "ShardedParam", "describe_parameters"]
+__all__ = ["FlatGroup", "ParamInfo", "ShardedParam", "describe_parameters", "shard_placement"]
 
 
 @dataclass
@@ -236,11 +236,31 @@ class FlatGroup:
                 "master": [self.master] if self.separate else []}
 
 
+def shard_placement(size: int):
+    """fully_shard's choice of dimension per parameter: the first one `size` divides, else the longest.
+
+    FSDP's default cuts dim 0 into ceil-sized chunks, which leaves small or oddly shaped parameters
+    spread unevenly (a [5, 8] weight over 4 ranks: 2, 2, 1, 0 rows); any dimension that divides evenly
+    keeps every rank's share equal, as the ZeRO accounting assumes.
+    """
+    from torch.distributed.tensor import Shard
+
+    def placement(param: torch.Tensor):
+        if param.dim() == 0:
+            return Shard(0)
+        for dim, length in enumerate(param.shape):
+            if length % size == 0:
+                return Shard(dim)
+        return Shard(max(range(param.dim()), key=lambda d: param.shape[d]))
+
+    return placement
+
+
 class ShardedParam:
     """A parameter sharded by fully_shard (stage 3): the optimizer steps on its local shard.
 
     Args:
-        info: the parameter (a DTensor after fully_shard).
+        info: the parameter (a DTensor after fully_shard, cut along one dimension).
         state_dtype: dtype the optimizer steps in.
     """
 
@@ -251,12 +271,13 @@ class ShardedParam:
         self.mesh = param.device_mesh
         self.group = self.mesh.get_group()
         self.group_size, self.group_rank = self.mesh.size(), self.mesh.get_local_rank()
+        self.dim = param.placements[0].dim if param.dim() else 0
         self.master = param.detach().to_local()  # the live local shard, outside autograd
         self.state_dtype = state_dtype
         self.swapped = state_dtype != self.master.dtype
         self.proxy = nn.Parameter(self.master if state_dtype == self.master.dtype else torch.empty(0, dtype=state_dtype),
                                   requires_grad=True)
-        self.rows = param.shape[0] if param.dim() else 1
+        self.rows = param.shape[self.dim] if param.dim() else 1
         self.chunk = math.ceil(self.rows / self.group_size)
         self.start = min(self.group_rank * self.chunk, self.rows)
         with torch.no_grad():  # a persistent sharded gradient, accumulated into by FSDP's reduce-scatter
@@ -286,16 +307,22 @@ class ShardedParam:
             param.grad.to_local().zero_()
 
     def gather(self, piece: torch.Tensor) -> list[torch.Tensor]:
-        """The full tensor from this rank's rows (fully_shard cuts dim 0 in ceil-sized chunks)."""
+        """The full tensor from this rank's chunk (fully_shard cuts one dimension in ceil-sized chunks)."""
         shape = self.infos[0].param.shape
-        padded = torch.zeros((self.chunk,) + tuple(shape[1:]), dtype=piece.dtype, device=piece.device)
-        padded[: piece.shape[0]].copy_(piece)
-        full = torch.empty((self.chunk * self.group_size,) + tuple(shape[1:]), dtype=piece.dtype, device=piece.device)
+        if not shape:
+            return [piece]
+        front = piece.movedim(self.dim, 0)
+        padded = torch.zeros((self.chunk,) + tuple(front.shape[1:]), dtype=piece.dtype, device=piece.device)
+        padded[: front.shape[0]].copy_(front)
+        full = torch.empty((self.chunk * self.group_size,) + tuple(front.shape[1:]), dtype=piece.dtype, device=piece.device)
         dist.all_gather_single(full, padded, group=self.group)
-        return [full[: self.rows].reshape(shape)]
+        return [full[: self.rows].movedim(0, self.dim).contiguous()]
 
     def slice_of(self, fulls: list[torch.Tensor]) -> torch.Tensor:
-        return fulls[0][self.start : self.start + self.master.shape[0]]
+        if not self.infos[0].param.shape:
+            return fulls[0]
+        length = self.master.shape[self.dim]
+        return fulls[0].narrow(self.dim, self.start, length)
 
     def load_master(self, fulls: list[torch.Tensor]) -> None:
         with torch.no_grad():

@@ -11,7 +11,8 @@ M, H, E, CLASSES = 8, 16, 4, 5
 class Net(nn.Module):
     """Linear -> ReLU -> MoE (top-2, E experts) -> Linear; returns (logits, l_aux)."""
 
-    def __init__(self, ep_size: int = 1, hidden: int = H, experts: int = E, k: int = 2, capacity_factor: float = 1.0):
+    def __init__(self, ep_size: int = 1, hidden: int = H, experts: int = E, k: int = 2, capacity_factor: float = 1.0,
+                 dense_width: int = 0):
         super().__init__()
         torch.manual_seed(0)
         self.inp = nn.Linear(M, M)
@@ -19,9 +20,13 @@ class Net(nn.Module):
                        ep_size=ep_size, k=k, capacity_factor=capacity_factor, min_capacity=0, use_rts=False,
                        top2_2nd_expert_sampling=False, expert_init="per_expert_seed", seed=7)
         self.out = nn.Linear(M, CLASSES)
+        # an optional dense block after the MoE layer, to give dense parameters some weight
+        self.block = nn.Sequential(nn.Linear(M, dense_width), nn.ReLU(), nn.Linear(dense_width, M)) if dense_width else None
 
     def forward(self, x):
         h, l_aux, _ = self.moe(torch.relu(self.inp(x)))
+        if self.block is not None:
+            h = h + self.block(h)
         return self.out(h), l_aux
 
 
