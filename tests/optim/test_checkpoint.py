@@ -1,0 +1,140 @@
+"""Checkpoints: exact resume in a new process group, loading at other layouts, atomic writes.
+
+Resume: 6 steps straight equal 3 steps, save, a new process group loading, 3 more steps (bitwise,
+same layout, with a WarmupLR schedule running). Resharding: a checkpoint saved at world 4 / ep 2 /
+stage 2 loads at world 2 / ep 1 / stage 3 and at world 2 / ep 2 / stage 1, and training goes on to
+equal one process that ran the same micro-batches throughout (fp32, 1e-5 relative). A checkpoint
+cut short is refused with a clear error while the previous one still loads.
+"""
+
+import os
+
+import pytest
+import torch
+
+from optim import initialize
+from parallel import reset_groups
+from tests.distributed import run_distributed
+from tests.optim.models import Net, batch, config, engine_steps, loss_of, reference_steps
+
+FP32 = {"rtol": 1e-5, "atol": 1e-6}
+ACCUMULATION, CLIP = 2, 0.05
+SCHEDULE = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.001, "warmup_max_lr": 0.01, "warmup_num_steps": 10}}
+
+
+def _engine(ep_size, stage, **extra):
+    reset_groups()
+    engine, *_ = initialize(Net(ep_size=ep_size), config=config(stage, ACCUMULATION, CLIP, **extra))
+    return engine
+
+
+def _save_then_continue(rank, world, folder):
+    engine = _engine(2, 2, scheduler=SCHEDULE)
+    engine_steps(engine, 3, rank, ACCUMULATION)
+    engine.save_checkpoint(folder, tag="step3", client_state={"epoch": 7})
+    engine_steps(engine, 3, rank, ACCUMULATION, first_step=3)
+    state = engine.consolidated_state_dict()
+    if rank == 0:
+        torch.save({"state": state, "lr": engine.get_lr()}, os.path.join(folder, "straight.pt"))
+
+
+def _load_and_continue(rank, world, folder):
+    engine = _engine(2, 2, scheduler=SCHEDULE)
+    path, client_state = engine.load_checkpoint(folder)
+    assert path == os.path.join(folder, "step3") and client_state == {"epoch": 7}
+    assert engine.global_steps == 3 and engine.micro_steps == 3 * ACCUMULATION
+    engine_steps(engine, 3, rank, ACCUMULATION, first_step=3)
+    state = engine.consolidated_state_dict()
+    if rank == 0:
+        straight = torch.load(os.path.join(folder, "straight.pt"), weights_only=True)
+        assert engine.get_lr() == straight["lr"]
+        for name, value in straight["state"].items():
+            assert torch.equal(state[name], value), f"{name} differs after resuming"
+
+
+def _reshard_and_continue(rank, world, folder, ep_size, stage):
+    engine = _engine(ep_size, stage)
+    engine.load_checkpoint(folder, tag="step3")
+    engine_steps(engine, 3, rank, ACCUMULATION, first_step=3)
+    state = engine.consolidated_state_dict()
+    if rank == 0:
+        reference = Net(ep_size=1)
+        optimizer = torch.optim.AdamW(reference.parameters(), lr=0.01, weight_decay=0.1)
+        # world 4, then world 2, the same micro-batches as the engines saw. Step k runs at the
+        # schedule's lr(max(k - 1, 0)) (DeepSpeed's WarmupLR); after loading without a schedule the
+        # lr stays what the checkpoint held, lr(2).
+        for step in range(6):
+            _set_lr(optimizer, _warmup_lr(max(min(step, 3) - 1, 0)))
+            reference_steps(reference, optimizer, 1, 4 if step < 3 else world, ACCUMULATION, CLIP, first_step=step)
+        for name, value in reference.state_dict().items():
+            torch.testing.assert_close(state[name], value, **FP32, msg=lambda m: f"{name}: {m}")
+
+
+def _warmup_lr(step):
+    import math
+
+    return 0.001 + (0.01 - 0.001) * math.log(step + 1) / math.log(10)
+
+
+def _set_lr(optimizer, lr):
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+
+
+def test_resume_and_reshard(tmp_path):
+    folder = str(tmp_path)
+    run_distributed(_save_then_continue, 4, folder, timeout_s=300)
+    run_distributed(_load_and_continue, 4, folder, timeout_s=300)
+    run_distributed(_reshard_and_continue, 2, folder, 1, 3, timeout_s=300)
+    run_distributed(_reshard_and_continue, 2, folder, 2, 1, timeout_s=300)
+
+
+def test_truncated_checkpoint_is_refused_and_the_previous_one_loads(tmp_path):
+    engine = _engine(1, 0)
+    engine_steps(engine, 1, 0, ACCUMULATION)
+    engine.save_checkpoint(str(tmp_path), tag="good")
+    saved = {k: v.clone() for k, v in engine.consolidated_state_dict().items()}
+    engine_steps(engine, 1, 0, ACCUMULATION, first_step=1)
+    engine.save_checkpoint(str(tmp_path), tag="cut")
+    assert open(tmp_path / "latest").read() == "cut"
+    files = [f for f in (tmp_path / "cut").iterdir() if f.suffix == ".distcp"]
+    biggest = max(files, key=lambda f: f.stat().st_size)
+    with open(biggest, "r+b") as handle:
+        handle.truncate(biggest.stat().st_size // 2)
+    with pytest.raises(RuntimeError, match=r"checkpoint .*cut is corrupt: .*distcp has \d+ bytes"):
+        engine.load_checkpoint(str(tmp_path))
+    (tmp_path / ".interrupted.partial").mkdir()  # a save that died before its rename is never read
+    path, _ = engine.load_checkpoint(str(tmp_path), tag="good")
+    assert path.endswith("good") and engine.global_steps == 1
+    for name, value in engine.consolidated_state_dict().items():
+        assert torch.equal(value, saved[name]), name
+    os.remove(tmp_path / "good" / "manifest.json")
+    with pytest.raises(RuntimeError, match="incomplete: it has no manifest.json"):
+        engine.load_checkpoint(str(tmp_path), tag="good")
+    with pytest.raises(FileNotFoundError, match="missing_tag does not exist"):
+        engine.load_checkpoint(str(tmp_path), tag="missing_tag")
+
+
+def test_loss_backward_and_output_backward_equal_engine_backward():
+    """fp16 scaling and accumulation reach plain loss.backward() and out.backward(grad) through the outputs."""
+    results = []
+    for mode in ("engine", "loss", "output"):
+        engine = _engine(1, 1, fp16={"enabled": True, "initial_scale_power": 8})
+        for step in range(2):
+            for micro in range(ACCUMULATION):
+                x, y = batch(step, micro, 0)
+                logits, l_aux = engine(x)
+                if mode == "engine":
+                    engine.backward(loss_of((logits, l_aux), y))
+                elif mode == "loss":
+                    loss_of((logits, l_aux), y).backward()
+                else:
+                    probe = logits.detach().float().requires_grad_()
+                    loss_of((probe, l_aux.detach()), y).backward()
+                    torch.autograd.backward([logits, l_aux], [probe.grad.to(logits.dtype), torch.tensor(0.01)])
+                engine.step()
+        assert engine.loss_scale == 256 and not engine.was_step_skipped()
+        results.append(engine.consolidated_state_dict())
+    for name, value in results[0].items():
+        assert torch.equal(results[1][name], value), name
+        torch.testing.assert_close(results[2][name], value, rtol=1e-3, atol=1e-4, msg=lambda m: f"{name}: {m}")
