@@ -115,7 +115,7 @@ def save(engine, save_dir: str, tag: str | None, client_state: dict, save_latest
         shutil.rmtree(partial, ignore_errors=True)
         os.makedirs(partial)
     _barrier()
-    dcp.save(_global_view(engine), storage_writer=dcp.FileSystemWriter(partial))
+    dcp.save(_global_view(engine), storage_writer=dcp.FileSystemWriter(partial), no_dist=not _distributed())
     rng = [None] * engine.world_size
     if _distributed():
         dist.all_gather_object(rng, _rng_state())
@@ -242,7 +242,7 @@ def load(engine, load_dir: str, tag: str | None, load_optimizer_states: bool = T
         raise RuntimeError(f"checkpoint {path} has format {meta.get('format')}, this version reads {_FORMAT}")
     reader = dcp.FileSystemReader(path)
     targets = _targets(engine, reader.read_metadata(), load_optimizer_states)
-    dcp.load(targets, storage_reader=reader)
+    dcp.load(targets, storage_reader=reader, no_dist=not _distributed())
     for unit in engine.units:
         fulls = [info.join([targets[f"model/{k}"] for k in info.keys()]) for info in unit.infos]
         unit.load_master([f.to(unit.master.dtype) for f in fulls])
