@@ -1,0 +1,126 @@
+"""Config parsing, the loss scaler's rules and DeepSpeed's schedules, in one process."""
+
+import json
+import math
+import warnings
+
+import pytest
+import torch
+
+from optim import LossScaler, LossScalerConfig, initialize, parse_config
+from optim.schedulers import build_scheduler
+from tests.optim.models import Net
+
+
+def _parse(extra, world=1):
+    return parse_config({"train_batch_size": 8, **extra}, world)
+
+
+def test_batch_sizes_imply_each_other():
+    config = parse_config({"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4}, 4)
+    assert config.gradient_accumulation_steps == 2
+    config = parse_config({"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 3}, 2)
+    assert config.train_batch_size == 24
+    config = parse_config({"train_batch_size": 16, "gradient_accumulation_steps": 2}, 4)
+    assert config.train_micro_batch_size_per_gpu == 2
+    message = (r"train_batch_size \(30\) must equal train_micro_batch_size_per_gpu \(4\) \* "
+               r"gradient_accumulation_steps \(2\) \* world size \(4\)")
+    with pytest.raises(ValueError, match=message):
+        parse_config({"train_batch_size": 30, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2}, 4)
+
+
+@pytest.mark.parametrize("extra, error, match", [
+    ({"zero_optimization": {"stage": 5}}, ValueError, r"zero_optimization.stage must be 0, 1, 2 or 3, got 5"),
+    ({"zero_optimization": {"stage": "2"}}, TypeError, r"zero_optimization.stage must be int, got str '2'"),
+    ({"zero_optimization": {"stages": 2}}, ValueError, r"unknown config key zero_optimization.stages"),
+    ({"fp16": {"enabled": True, "loss_scale_windw": 10}}, ValueError, r"unknown config key fp16.loss_scale_windw"),
+    ({"fp16": {"enabled": "yes"}}, TypeError, r"fp16.enabled must be bool"),
+    ({"fp16": {"enabled": True}, "bf16": {"enabled": True}}, ValueError, r"fp16.enabled and bf16.enabled"),
+    ({"bf16": {"enabled": True, "bf16_optimizer_states": True}}, ValueError, r"bf16.bf16_optimizer_states"),
+    ({"optimizer": {"type": "Lamb"}}, ValueError, r"optimizer.type must be Adam, AdamW or SGD, got 'Lamb'"),
+    ({"scheduler": {"type": "Cosine"}}, ValueError, r"scheduler.type must be one of"),
+    ({"zero_optimization": {"offload_optimizer": {"device": "nvme"}}}, ValueError, r"offload device must be"),
+    ({"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}}, ValueError, r"offload_param needs stage 3"),
+    ({"gradient_clipping": -1.0}, ValueError, r"gradient_clipping must be >= 0"),
+    ({"tensorboard": {"enabled": True, "outputpath": "x"}}, ValueError, r"unknown config key tensorboard.outputpath"),
+])
+def test_bad_values_name_their_key(extra, error, match):
+    with pytest.raises(error, match=match):
+        _parse(extra)
+
+
+def test_bad_optimizer_and_scheduler_params_fail_before_training():
+    with pytest.raises(ValueError, match=r"unknown config key optimizer.params.learning_rate"):
+        initialize(Net(), config={"train_batch_size": 4, "optimizer": {"type": "AdamW", "params": {"learning_rate": 1}}})
+    with pytest.raises(ValueError, match=r"unknown config key scheduler.params.warmup_steps"):
+        initialize(Net(), config={"train_batch_size": 4, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+                                  "scheduler": {"type": "WarmupLR", "params": {"warmup_steps": 3}}})
+    with pytest.raises(ValueError, match="no optimizer"):
+        initialize(Net(), config={"train_batch_size": 4})
+
+
+def test_json_path_and_compatibility_keys_warn_once(tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"train_batch_size": 4, "zero_optimization": {"stage": 2, "overlap_comm": True,
+                                "reduce_bucket_size": 5e8, "offload_optimizer": {"device": "cpu", "buffer_count": 2}}}))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        config = parse_config(str(path), 1)
+    assert config.zero_optimization.stage == 2 and config.zero_optimization.offload_optimizer.device == "cpu"
+    messages = [str(w.message) for w in caught]
+    assert len(messages) == 1, messages
+    for key in ("zero_optimization.overlap_comm", "zero_optimization.reduce_bucket_size",
+                "zero_optimization.offload_optimizer.buffer_count"):
+        assert key in messages[0]
+
+
+def test_offload_on_a_cpu_only_machine_is_reported_without_effect():
+    config = {"train_batch_size": 4, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+              "zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}}
+    with pytest.warns(UserWarning, match="offload_optimizer has no effect"):
+        initialize(Net(), config=config)
+
+
+def test_loss_scaler_rules():
+    scaler = LossScaler(LossScalerConfig(initial_scale_power=3, loss_scale_window=3, hysteresis=2, min_loss_scale=2))
+    seen = []
+    for overflow in (True, True, True, True, False, False, False, False, False, False):
+        scaler.update(overflow)
+        seen.append(scaler.scale)
+    # hysteresis absorbs the first overflow; then halving, floored at 2; 3 clean iterations double
+    assert seen == [8, 4, 2, 2, 2, 2, 4, 4, 4, 8]
+    static = LossScaler(LossScalerConfig(static_scale=128))
+    static.update(True)
+    assert static.scale == 128
+    consecutive = LossScaler(LossScalerConfig(initial_scale_power=3, hysteresis=2, consecutive_hysteresis=True))
+    for overflow in (True, False, True):
+        consecutive.update(overflow)
+    assert consecutive.scale == 8  # the clean iteration refilled the hysteresis budget
+
+
+def _lrs(name, params, steps, lr=0.1):
+    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=lr)
+    schedule = build_scheduler(name, optimizer, params)
+    lrs = [optimizer.param_groups[0]["lr"]]
+    for _ in range(steps):
+        schedule.step()
+        lrs.append(optimizer.param_groups[0]["lr"])
+    return lrs, optimizer
+
+
+def test_schedules_follow_deepspeed_formulas():
+    lrs, _ = _lrs("WarmupLR", {"warmup_min_lr": 0.0, "warmup_max_lr": 1.0, "warmup_num_steps": 4}, 6)
+    assert lrs == pytest.approx([0, 0, math.log(2) / math.log(4), math.log(3) / math.log(4), 1, 1, 1])
+    lrs, _ = _lrs("WarmupDecayLR", {"total_num_steps": 8, "warmup_max_lr": 1.0, "warmup_num_steps": 4,
+                                    "warmup_type": "linear"}, 9)
+    assert lrs == pytest.approx([0, 0, 0.25, 0.5, 0.75, 1.0, 0.75, 0.5, 0.25, 0.0])
+    lrs, _ = _lrs("WarmupCosineLR", {"total_num_steps": 6, "warmup_num_steps": 2, "cos_min_ratio": 0.0,
+                                     "warmup_type": "linear"}, 6, lr=2.0)
+    assert lrs == pytest.approx([0, 0, 1.0, 2 * (1 + math.cos(math.pi / 4)) / 2, 1.0, 2 * (1 + math.cos(3 * math.pi / 4)) / 2, 0])
+    lrs, optimizer = _lrs("OneCycle", {"cycle_min_lr": 0.1, "cycle_max_lr": 0.5, "cycle_first_step_size": 2,
+                                       "cycle_min_mom": 0.8, "cycle_max_mom": 0.9}, 5)
+    assert lrs == pytest.approx([0.1, 0.3, 0.5, 0.3, 0.1, 0.1])
+    assert optimizer.param_groups[0]["betas"][0] == pytest.approx(0.9)
+    lrs, _ = _lrs("LRRangeTest", {"lr_range_test_min_lr": 0.1, "lr_range_test_step_size": 2,
+                                  "lr_range_test_step_rate": 1.0, "lr_range_test_staircase": True}, 4)
+    assert lrs == pytest.approx([0.1, 0.1, 0.2, 0.2, 0.3])
