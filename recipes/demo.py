@@ -3,6 +3,7 @@
     python -m recipes.demo                   # a few seconds on a laptop CPU
     python -m recipes.demo --experts 8 --k 2 --steps 600
     torchrun --nproc_per_node 4 -m recipes.demo --experts 8 --ep-world-size 2   # expert parallelism
+    torchrun --nproc_per_node 4 -m recipes.demo --experts 8 --ep-world-size 2 --stage 3 --dtype bf16
 
 The data is built here: tokens come from `--clusters` Gaussian clusters, and each cluster has its
 own random target map, so one dense MLP must fit them all while an MoE can give each cluster its
@@ -11,9 +12,9 @@ mean-squared error plus the load-balancing loss. It prints the loss, the load-ba
 the tokens each expert received, and at the end the loss of a dense model of the same active size.
 
 Under torchrun every rank draws its own batches; with --ep-world-size e each rank holds
-experts / e experts and tokens reach them by all-to-all. Gradients are averaged over all ranks here
-by hand (dense ones over everyone, expert ones over their expert-data-parallel group with the same
-divisor) until the training engine does it; each rank prints the tokens its experts received.
+experts / e experts and tokens reach them by all-to-all. Training goes through the engine
+(`optim.initialize`): --stage picks the ZeRO stage (0-3) and --dtype fp32, bf16 or fp16; each rank
+prints the tokens its experts received.
 """
 
 import time
@@ -24,7 +25,8 @@ import torch.distributed as dist
 from torch import nn
 
 from moe import MoE, split_params_into_different_moe_groups_for_optimizer
-from parallel import expert_groups, init_distributed, is_moe_param
+from optim import initialize
+from parallel import init_distributed
 from recipes.cli import flag_parser
 
 
@@ -43,6 +45,8 @@ class DemoConfig:
     log_interval: int = 50
     seed: int = 0
     ep_world_size: int = 1
+    stage: int = 0
+    dtype: str = "fp32"
 
 
 class Model(nn.Module):
@@ -81,33 +85,23 @@ def make_task(cfg: DemoConfig, rank: int = 0):
     return batch
 
 
-def average_gradients(model: nn.Module, ep_size: int) -> None:
-    """Mean gradient over all ranks: dense over everyone, experts over their expert-data-parallel group."""
-    world = dist.get_world_size()
-    edp_group = expert_groups(ep_size).edp_group if ep_size > 1 else None
-    for param in model.parameters():
-        if param.grad is not None:
-            dist.all_reduce(param.grad, group=edp_group if is_moe_param(param) else None)
-            param.grad /= world
-
-
 def train(cfg: DemoConfig, dense: bool, rank: int = 0, world: int = 1) -> float:
     torch.manual_seed(cfg.seed)
     model = Model(cfg, dense)
     groups = split_params_into_different_moe_groups_for_optimizer({"params": list(model.parameters()), "name": "dense"})
-    optimizer = torch.optim.AdamW(groups, lr=cfg.lr)
+    engine, *_ = initialize(model, model_parameters=groups, config={
+        "train_micro_batch_size_per_gpu": cfg.batch, "gradient_accumulation_steps": 1,
+        "optimizer": {"type": "AdamW", "params": {"lr": cfg.lr}}, "zero_optimization": {"stage": cfg.stage},
+        "bf16": {"enabled": cfg.dtype == "bf16"}, "fp16": {"enabled": cfg.dtype == "fp16"}, "steps_per_print": 10**9,
+    })
     batch = make_task(cfg, rank)
     start, recent = time.perf_counter(), []
     for step in range(1, cfg.steps + 1):
         x, y = batch()
-        pred, l_aux, exp_counts = model(x)
-        mse = nn.functional.mse_loss(pred, y)
-        loss = mse + cfg.aux_coef * l_aux
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        if world > 1:
-            average_gradients(model, cfg.ep_world_size)
-        optimizer.step()
+        pred, l_aux, exp_counts = engine(x)
+        mse = nn.functional.mse_loss(pred.float(), y)
+        engine.backward(mse + cfg.aux_coef * l_aux)
+        engine.step()
         recent = (recent + [mse.item()])[-cfg.log_interval :]
         if not dense and rank == 0 and (step % cfg.log_interval == 0 or step == 1):
             tokens_per_s = step * cfg.batch / (time.perf_counter() - start)
@@ -131,6 +125,8 @@ def main(argv=None) -> dict:
     if world % cfg.ep_world_size or cfg.experts % cfg.ep_world_size:
         parser.error(f"--ep-world-size ({cfg.ep_world_size}) must divide the number of processes ({world}) "
                      f"and --experts ({cfg.experts})")
+    if cfg.stage not in (0, 1, 2, 3) or cfg.dtype not in ("fp32", "bf16", "fp16"):
+        parser.error(f"--stage must be 0-3 and --dtype fp32, bf16 or fp16, got {cfg.stage} and {cfg.dtype!r}")
     if rank == 0:
         print("config:", asdict(cfg), f"processes={world}")
     moe_mse = train(cfg, dense=False, rank=rank, world=world)
