@@ -38,3 +38,13 @@ def test_demo_under_torchrun_with_expert_parallelism(tmp_path):
                          timeout=120)
     assert bad.returncode != 0 and "--ep-world-size (3) must divide" in bad.stderr
     assert "Traceback" not in bad.stderr
+
+
+def test_engine_benchmark_matches_the_zero_accounting_in_one_process(capsys):
+    from recipes import bench_engine
+
+    rows = bench_engine.main(["--hidden", "32", "--ffn", "64", "--experts", "4", "--tokens", "64", "--steps", "1",
+                              "--warmup", "1"])
+    assert len(rows) == 12 and "ZeRO says" in capsys.readouterr().out
+    for row in rows:  # one process: nothing to shard, so every stage holds everything
+        assert abs(row["total"] - row["zero"]) <= 0.01 * row["zero"], row
