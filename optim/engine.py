@@ -146,7 +146,8 @@ class Engine:
         infos = describe_parameters(self.module, lambda name: groups_for_name(name).ep_rank)
         user_groups, defaults = _param_groups(self.module, model_parameters, optimizer)
         groups = [dict(g, params=[infos[id(p)] for p in g["params"]]) for g in _split_expert_groups(user_groups, infos)]
-        if self.stage == 3:
+        self._fully_shard = self.stage == 3 and dist.is_available() and dist.is_initialized()
+        if self._fully_shard:
             self._shard_stage3(infos)
         elif low is not None:
             self.module.to(self.compute_dtype)
@@ -222,15 +223,15 @@ class Engine:
 
     def _build_units(self, groups: list[dict]) -> list:
         units, self._units_by_group = [], []
-        master_device = torch.device("cpu") if self.offload and self.stage < 3 else self.device
+        master_device = torch.device("cpu") if self.offload and not self._fully_shard else self.device
         for group in groups:
             members = group["params"]
-            if self.stage == 3:
+            if self._fully_shard:
                 group_units = [ShardedParam(info, self.state_dtype) for info in members]
-            else:
+            else:  # without a process group there is nothing to shard: stage 3 holds what stage 2 does
                 comm, size, rank = self._reduction_group(members[0])
-                group_units = [FlatGroup(members, comm, size, rank, self.stage, self.master_dtype, self.state_dtype,
-                                         master_device)]
+                group_units = [FlatGroup(members, comm, size, rank, min(self.stage, 2), self.master_dtype,
+                                         self.state_dtype, master_device)]
             units.extend(group_units)
             self._units_by_group.append(group_units)
         return units
