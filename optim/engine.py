@@ -211,7 +211,7 @@ class Engine:
             parent = name.rpartition(".")[0] if name else None
             if all_expert[name] and (parent is None or not all_expert.get(parent, False)):
                 groups = groups_for_name(by_name[_first_name(name, module)].group_name)
-                _, edp_mesh = data_meshes(groups.ep_size, device_type=self.device.type)
+                _, edp_mesh = data_meshes(groups.ep_size, groups.use_data_before_expert_parallel, self.device.type)
                 fully_shard(module, mesh=edp_mesh, shard_placement_fn=shard_placement(edp_mesh.size()), **kwargs)
                 module.set_gradient_divide_factor(float(self.world_size))
                 module.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM

@@ -29,6 +29,7 @@ class ExpertGroups:
     dp_group: object
     dp_rank: int
     dp_size: int
+    use_data_before_expert_parallel: bool = False
 
 
 _CACHE: dict[tuple[int, bool], ExpertGroups] = {}
@@ -80,7 +81,8 @@ def expert_groups(ep_size: int, use_data_before_expert_parallel: bool = False) -
         group = dist.new_group(ranks)
         if rank in ranks:
             mine_edp, edp_rank = group, ranks.index(rank)
-    groups = ExpertGroups(ep_size, ep_rank, mine_ep, world // ep_size, edp_rank, mine_edp, dist.group.WORLD, rank, world)
+    groups = ExpertGroups(ep_size, ep_rank, mine_ep, world // ep_size, edp_rank, mine_edp, dist.group.WORLD, rank, world,
+                          use_data_before_expert_parallel)
     _CACHE[key] = _BY_NAME[f"ep_size_{ep_size}"] = groups
     return groups
 

@@ -124,3 +124,23 @@ def test_schedules_follow_deepspeed_formulas():
     lrs, _ = _lrs("LRRangeTest", {"lr_range_test_min_lr": 0.1, "lr_range_test_step_size": 2,
                                   "lr_range_test_step_rate": 1.0, "lr_range_test_staircase": True}, 4)
     assert lrs == pytest.approx([0.1, 0.1, 0.2, 0.2, 0.3])
+
+
+def test_tensorboard_dataloader_and_a_given_optimizer(tmp_path):
+    dataset = torch.utils.data.TensorDataset(torch.randn(10, 8), torch.randint(0, 5, (10,)))
+    model = Net()
+    given = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.5)
+    engine, optimizer, loader, scheduler = initialize(
+        model, config={"train_micro_batch_size_per_gpu": 4, "steps_per_print": 1,
+                       "tensorboard": {"enabled": True, "output_path": str(tmp_path), "job_name": "run"}},
+        training_data=dataset, optimizer=given)
+    assert isinstance(optimizer, torch.optim.SGD) and optimizer.param_groups[0]["momentum"] == 0.5
+    assert [g["moe"] for g in optimizer.param_groups] == [False, True] and scheduler is None
+    assert [len(x) for x, _ in loader] == [4, 4, 2]
+    for x, y in loader:
+        logits, l_aux = engine(x)
+        engine.backward(torch.nn.functional.cross_entropy(logits, y) + 0.01 * l_aux)
+        engine.step()
+    assert engine.global_steps == 3 and engine.get_lr() == [0.05, 0.05]
+    engine._writer.flush()
+    assert list((tmp_path / "run").glob("events.out.tfevents.*"))
