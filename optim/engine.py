@@ -129,7 +129,7 @@ class Engine:
         self.world_size, self.rank = _distributed()
         self.stage = config.zero_optimization.stage
         self.accumulation = config.gradient_accumulation_steps
-        self.device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}") if torch.cuda.is_available() \
+        self.device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}") if torch.cuda.is_available() \
             else torch.device("cpu")
         self.module = model.to(self.device)
         self.global_steps = self.micro_steps = self.skipped_steps = 0

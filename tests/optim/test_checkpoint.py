@@ -96,7 +96,7 @@ def test_truncated_checkpoint_is_refused_and_the_previous_one_loads(tmp_path):
     saved = {k: v.clone() for k, v in engine.consolidated_state_dict().items()}
     engine_steps(engine, 1, 0, ACCUMULATION, first_step=1)
     engine.save_checkpoint(str(tmp_path), tag="cut")
-    assert open(tmp_path / "latest").read() == "cut"
+    assert (tmp_path / "latest").read_text() == "cut"
     files = [f for f in (tmp_path / "cut").iterdir() if f.suffix == ".distcp"]
     biggest = max(files, key=lambda f: f.stat().st_size)
     with open(biggest, "r+b") as handle:
