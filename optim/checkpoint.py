@@ -15,9 +15,11 @@ the previous one, untouched, still loads. Files are read with `torch.load(weight
 DCP; nothing is unpickled as code.
 """
 
+import contextlib
 import json
 import os
 import shutil
+import warnings
 import zlib
 
 import torch
@@ -36,6 +38,14 @@ def _distributed() -> bool:
 def _barrier() -> None:
     if _distributed():
         dist.barrier()
+
+
+@contextlib.contextmanager
+def _single_process_quiet():
+    """DCP warns that it assumes one process when torch.distributed is not initialised: so do we."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
 
 
 def _owner(engine, unit) -> bool:
@@ -115,7 +125,8 @@ def save(engine, save_dir: str, tag: str | None, client_state: dict, save_latest
         shutil.rmtree(partial, ignore_errors=True)
         os.makedirs(partial)
     _barrier()
-    dcp.save(_global_view(engine), storage_writer=dcp.FileSystemWriter(partial), no_dist=not _distributed())
+    with _single_process_quiet():
+        dcp.save(_global_view(engine), storage_writer=dcp.FileSystemWriter(partial), no_dist=not _distributed())
     rng = [None] * engine.world_size
     if _distributed():
         dist.all_gather_object(rng, _rng_state())
@@ -242,7 +253,8 @@ def load(engine, load_dir: str, tag: str | None, load_optimizer_states: bool = T
         raise RuntimeError(f"checkpoint {path} has format {meta.get('format')}, this version reads {_FORMAT}")
     reader = dcp.FileSystemReader(path)
     targets = _targets(engine, reader.read_metadata(), load_optimizer_states)
-    dcp.load(targets, storage_reader=reader, no_dist=not _distributed())
+    with _single_process_quiet():
+        dcp.load(targets, storage_reader=reader, no_dist=not _distributed())
     for unit in engine.units:
         fulls = [info.join([targets[f"model/{k}"] for k in info.keys()]) for info in unit.infos]
         unit.load_master([f.to(unit.master.dtype) for f in fulls])
