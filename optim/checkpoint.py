@@ -166,8 +166,11 @@ def verify(path: str) -> None:
     manifest_path = os.path.join(path, "manifest.json")
     if not os.path.isfile(manifest_path):
         raise RuntimeError(f"checkpoint {path} is incomplete: it has no manifest.json (interrupted while writing?)")
-    with open(manifest_path) as handle:
-        manifest = json.load(handle)
+    try:
+        with open(manifest_path) as handle:
+            manifest = json.load(handle)
+    except ValueError:
+        raise RuntimeError(f"checkpoint {path} is corrupt: manifest.json is unreadable (truncated?)") from None
     for relative, expected in manifest.items():
         file = os.path.join(path, relative)
         if not os.path.isfile(file):

@@ -108,7 +108,11 @@ def test_truncated_checkpoint_is_refused_and_the_previous_one_loads(tmp_path):
     assert path.endswith("good") and engine.global_steps == 1
     for name, value in engine.consolidated_state_dict().items():
         assert torch.equal(value, saved[name]), name
-    os.remove(tmp_path / "good" / "manifest.json")
+    manifest = tmp_path / "good" / "manifest.json"
+    manifest.write_text(manifest.read_text()[:10])
+    with pytest.raises(RuntimeError, match="manifest.json is unreadable"):
+        engine.load_checkpoint(str(tmp_path), tag="good")
+    os.remove(manifest)
     with pytest.raises(RuntimeError, match="incomplete: it has no manifest.json"):
         engine.load_checkpoint(str(tmp_path), tag="good")
     with pytest.raises(FileNotFoundError, match="missing_tag does not exist"):
