@@ -13,6 +13,7 @@ which instead scales the loss itself (and so also covers loss terms that bypass 
 """
 
 import contextlib
+import inspect
 import os
 import time
 import warnings
@@ -100,8 +101,6 @@ def _build_optimizer(config: EngineConfig, optimizer, defaults: dict, groups: li
         params.pop("torch_adam", None)
     else:
         cls = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}[kind]
-    import inspect
-
     accepted = set(inspect.signature(cls.__init__).parameters) - {"self", "params"}
     for key in params:
         if key not in accepted:

@@ -5,6 +5,7 @@ sets every param group's lr (OneCycle also beta1). As in DeepSpeed, building a s
 of iteration 0 at once, and `step()` advances by one. Per-group values may be given as lists.
 """
 
+import inspect
 import math
 
 import torch
@@ -227,8 +228,6 @@ _SCHEDULES = {cls.__name__: cls for cls in (WarmupLR, WarmupDecayLR, WarmupCosin
 def build_scheduler(name: str, optimizer: torch.optim.Optimizer, params: dict) -> _Schedule:
     """The schedule `name` over `optimizer`; a bad or unknown parameter raises naming scheduler.params.<key>."""
     cls = _SCHEDULES[name]
-    import inspect
-
     accepted = set(inspect.signature(cls.__init__).parameters) - {"self", "optimizer"}
     for key in params:
         if key not in accepted:

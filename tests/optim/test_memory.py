@@ -9,7 +9,6 @@ states by half at stages 0 and 3 (16 -> 8 bytes per parameter, sharded or not); 
 accounting itself gives less (with W = 4: 7 -> 5 and 5.5 -> 3.5 bytes), which is checked per part.
 """
 
-import torch
 
 from optim import initialize
 from parallel import expert_groups, reset_groups
