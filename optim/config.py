@@ -82,6 +82,10 @@ class BF16Config:
             raise ValueError("bf16.bf16_optimizer_states=true needs bf16.bf16_master_weights_and_grads=true")
 
 
+_AUTOCAST_DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "torch.bfloat16": "bfloat16",
+                    "float16": "float16", "fp16": "float16", "torch.float16": "float16"}
+
+
 @dataclass(kw_only=True)
 class TorchAutocastConfig:
     """`torch_autocast`: run the forward under torch.autocast with `dtype`."""
@@ -91,8 +95,14 @@ class TorchAutocastConfig:
     lower_precision_safe_modules: list = field(default_factory=list)
 
     def __post_init__(self):
-        if self.dtype not in ("bfloat16", "float16", "bf16", "fp16", "torch.bfloat16", "torch.float16"):
+        if self.dtype not in _AUTOCAST_DTYPES:
             raise ValueError(f"torch_autocast.dtype must be bfloat16 or float16, got {self.dtype!r}")
+
+    @property
+    def torch_dtype(self):
+        import torch
+
+        return getattr(torch, _AUTOCAST_DTYPES[self.dtype])
 
 
 @dataclass(kw_only=True)

@@ -71,7 +71,7 @@ def _param_groups(model: nn.Module, model_parameters, optimizer) -> tuple[list[d
 def _split_expert_groups(groups: list[dict], infos: dict) -> list[dict]:
     """Each group's dense parameters, then one group per expert group name flagged moe=True."""
     out = []
-    for index, group in enumerate(groups):
+    for group in groups:
         params = [p for p in group["params"] if id(p) in infos]
         by_name: dict[str, list] = {}
         for param in params:
@@ -82,8 +82,9 @@ def _split_expert_groups(groups: list[dict], infos: dict) -> list[dict]:
         if dense:
             out.append({**options, "params": dense, "moe": False})
         for name, expert_params in by_name.items():
-            out.append({**options, "params": expert_params, "moe": True, "name": options.get("name", f"group_{index}")
-                        if options.get("moe") else name})
+            # DeepSpeed names expert groups by their group name, unless the user flagged and named the group
+            group_label = options["name"] if options.get("moe") and "name" in options else name
+            out.append({**options, "params": expert_params, "moe": True, "name": group_label})
     return out
 
 
@@ -284,8 +285,8 @@ class Engine:
         if self.config.low_precision is not None:
             args, kwargs = tree_map(self._cast_inputs, (args, kwargs))
         autocast = self.config.torch_autocast
-        context = torch.autocast(self.device.type, dtype=torch.float16 if "16" in autocast.dtype and "b" not in
-                                 autocast.dtype else torch.bfloat16) if autocast.enabled else contextlib.nullcontext()
+        context = torch.autocast(self.device.type, dtype=autocast.torch_dtype) if autocast.enabled \
+            else contextlib.nullcontext()
         with context:
             output = self.module(*args, **kwargs)
         if torch.is_grad_enabled():
