@@ -194,6 +194,19 @@ class MoE(nn.Module):
     def z_loss(self) -> torch.Tensor | None:
         return self.deepspeed_moe.z_loss
 
+    @property
+    def routing_stats(self) -> dict[str, torch.Tensor] | None:
+        """The last forward's routing as detached data for loggers, None before any forward.
+
+        Keys: `l_aux` and `z_loss` (scalars), `exp_counts` (int64 [E], choices per expert before
+        dropping) and `kept_counts` (int64 [E], after dropping); counts cover this rank's tokens.
+        """
+        routing = self.deepspeed_moe.routing
+        if routing is None:
+            return None
+        return {"l_aux": routing.l_aux.detach(), "z_loss": routing.z_loss.detach(),
+                "exp_counts": routing.exp_counts.detach(), "kept_counts": routing.kept_counts()}
+
     def forward(
         self, hidden_states: torch.Tensor, used_token: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -25,6 +25,7 @@ from torch.utils._pytree import tree_map
 
 from optim import checkpoint
 from optim.config import EngineConfig, parse_config
+from optim.monitor import Monitor, StepStats
 from optim.scaler import LossScaler, LossScalerConfig
 from optim.schedulers import build_scheduler
 from optim.zero import FlatGroup, ShardedParam, describe_parameters, shard_placement
@@ -161,7 +162,12 @@ class Engine:
             loss_scale_window=config.fp16.loss_scale_window, hysteresis=config.fp16.hysteresis,
             consecutive_hysteresis=config.fp16.consecutive_hysteresis, min_loss_scale=config.fp16.min_loss_scale,
         )) if low == "fp16" else None
-        self._writer = self._tensorboard()
+        board = config.tensorboard
+        # Statistics are summed on every rank (one all-reduce per step); rank 0 writes them.
+        self._stats = StepStats(self.module) if board.enabled else None
+        self.monitor = Monitor(os.path.join(board.output_path or "runs", board.job_name)) \
+            if board.enabled and self.rank == 0 else None
+        self._step_started = None
 
     # Set-up helpers.
 
@@ -253,14 +259,6 @@ class Engine:
             return None
         return build_scheduler(self.config.scheduler.type, self.optimizer, dict(self.config.scheduler.params))
 
-    def _tensorboard(self):
-        board = self.config.tensorboard
-        if not board.enabled or self.rank != 0:
-            return None
-        from torch.utils.tensorboard import SummaryWriter
-
-        return SummaryWriter(log_dir=os.path.join(board.output_path or "runs", board.job_name))
-
     # Training.
 
     def _grad_factor(self) -> float:
@@ -282,6 +280,8 @@ class Engine:
     def forward(self, *args, **kwargs):
         """Run the model; floating inputs are cast to the fp16/bf16 compute dtype, outputs get the grad factor."""
         start = time.perf_counter()
+        if self._step_started is None and self.module.training:
+            self._step_started = start
         if self.config.low_precision is not None:
             args, kwargs = tree_map(self._cast_inputs, (args, kwargs))
         autocast = self.config.torch_autocast
@@ -289,6 +289,8 @@ class Engine:
             else contextlib.nullcontext()
         with context:
             output = self.module(*args, **kwargs)
+        if self._stats is not None and self.module.training and torch.is_grad_enabled():
+            self._stats.collect()
         if torch.is_grad_enabled():
             output = tree_map(lambda t: _ScaleGrad.apply(t, self) if isinstance(t, torch.Tensor) and t.requires_grad
                               and t.is_floating_point() else t, output)
@@ -303,8 +305,8 @@ class Engine:
             (loss.float() * self._grad_factor()).backward(retain_graph=retain_graph)
         finally:
             self._in_engine_backward = False
-        if self._writer is not None and loss.numel() == 1:
-            self._writer.add_scalar("Train/Samples/train_loss", loss.item(), self._samples())
+        if self._stats is not None and loss.numel() == 1:
+            self._stats.add_loss(loss)
         self._timers["backward"] += time.perf_counter() - start
 
     def is_gradient_accumulation_boundary(self) -> bool:
@@ -414,9 +416,8 @@ class Engine:
         return self.global_steps * self.config.train_batch_size
 
     def _report(self) -> None:
-        if self._writer is not None:
-            self._writer.add_scalar("Train/Samples/lr", self.get_lr()[0], self._samples())
-            self._writer.add_scalar("Train/Samples/loss_scale", self.loss_scale, self._samples())
+        if self._stats is not None:
+            self._write_statistics()
         if self.rank == 0 and self.global_steps % self.config.steps_per_print == 0:
             line = f"step={self.global_steps} skipped={self.skipped_steps} lr={self.get_lr()} loss_scale={self.loss_scale}"
             if self.config.wall_clock_breakdown:
@@ -425,6 +426,25 @@ class Engine:
             print(line, flush=True)
         if self.config.memory_breakdown and self.global_steps % self.config.steps_per_print == 0:
             print(f"rank {self.rank} memory: {self.memory_breakdown()}", flush=True)
+
+    def _write_statistics(self) -> None:
+        """This step's loss, lr, loss scale, timing and routing to TensorBoard (DeepSpeed's tags too)."""
+        loss, layers = self._stats.reduce()  # a collective: every rank takes part
+        now = time.perf_counter()
+        seconds, self._step_started = now - (self._step_started or now), None
+        if self.monitor is None:
+            return
+        step, samples = self.global_steps, self._samples()
+        scalars = {"Train/lr": self.get_lr()[0], "Train/loss_scale": self.loss_scale,
+                   "Train/step_time_ms": seconds * 1000}
+        if seconds > 0:
+            scalars["Train/samples_per_s"] = self.config.train_batch_size / seconds
+        deepspeed = {"Train/Samples/lr": self.get_lr()[0], "Train/Samples/loss_scale": self.loss_scale}
+        if loss is not None:
+            scalars["Train/loss"] = deepspeed["Train/Samples/train_loss"] = loss
+        self.monitor.scalars(step, scalars)
+        self.monitor.scalars(samples, deepspeed)
+        self.monitor.routing(step, layers)
 
     # Memory and state.
 

@@ -142,5 +142,5 @@ def test_tensorboard_dataloader_and_a_given_optimizer(tmp_path):
         engine.backward(torch.nn.functional.cross_entropy(logits, y) + 0.01 * l_aux)
         engine.step()
     assert engine.global_steps == 3 and engine.get_lr() == [0.05, 0.05]
-    engine._writer.flush()
+    engine.monitor.flush()
     assert list((tmp_path / "run").glob("events.out.tfevents.*"))

@@ -1,0 +1,176 @@
+"""Training statistics for TensorBoard: per-step scalars and the MoE layers' routing statistics.
+
+Layers publish routing statistics as data. Any module with `routing_stats` and `num_experts`
+attributes (the MoE layer has both) holds in `routing_stats`, after each forward, a dict of detached
+tensors:
+    l_aux, z_loss:  scalars of that forward;
+    exp_counts:     int64 [E], choices per expert before dropping (this rank's tokens);
+    kept_counts:    int64 [E], choices per expert after dropping.
+`StepStats` sums them over the micro-batches of an optimizer step and then over all ranks in one
+all-reduce; `Monitor` writes the result on rank 0: scalars, an expert-load histogram per layer and
+an experts x layers heatmap image.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+__all__ = ["LayerStats", "Monitor", "StepStats"]
+
+
+@dataclass(frozen=True)
+class LayerStats:
+    """One MoE layer's routing over a whole step (all micro-batches, all ranks).
+
+    Args:
+        name: the layer's module name.
+        l_aux: mean load-balancing loss.
+        z_loss: mean router z-loss.
+        exp_counts: float64 [E], choices per expert before dropping.
+        kept_counts: float64 [E], choices per expert after dropping.
+    """
+
+    name: str
+    l_aux: float
+    z_loss: float
+    exp_counts: torch.Tensor
+    kept_counts: torch.Tensor
+
+    @property
+    def dropped_fraction(self) -> float:
+        routed = float(self.exp_counts.sum())
+        return 1.0 - float(self.kept_counts.sum()) / routed if routed else 0.0
+
+    @property
+    def load(self) -> torch.Tensor:
+        """Each expert's share of the routed choices times E: 1.0 everywhere when balanced."""
+        routed = self.exp_counts.sum()
+        return self.exp_counts * (len(self.exp_counts) / routed) if routed else torch.ones_like(self.exp_counts)
+
+
+class StepStats:
+    """Sums training loss and routing statistics over one optimizer step, then over ranks.
+
+    Args:
+        model: the model whose modules with a `routing_stats` attribute are read.
+    """
+
+    def __init__(self, model: nn.Module):
+        self.layers = [(name, module) for name, module in model.named_modules() if hasattr(module, "routing_stats")]
+        self._reset()
+
+    def _reset(self) -> None:
+        self._loss = torch.zeros((), dtype=torch.float64)
+        self._losses = 0
+        self._routing = [None] * len(self.layers)  # per layer: [forwards, l_aux, z_loss, *exp_counts, *kept_counts]
+
+    def add_loss(self, loss: torch.Tensor) -> None:
+        self._loss += loss.detach().double().cpu()
+        self._losses += 1
+
+    def collect(self) -> None:
+        """Read every MoE layer's statistics of the forward that just ran."""
+        for i, (_, module) in enumerate(self.layers):
+            stats = module.routing_stats
+            if stats is None:
+                continue
+            row = torch.cat([torch.stack([torch.ones((), dtype=torch.float64), stats["l_aux"].double().cpu(),
+                                          stats["z_loss"].double().cpu()]),
+                             stats["exp_counts"].double().cpu(), stats["kept_counts"].double().cpu()])
+            self._routing[i] = row if self._routing[i] is None else self._routing[i] + row
+
+    def reduce(self, group=None) -> tuple[float | None, list[LayerStats]]:
+        """Mean loss and each layer's statistics over the step and all ranks (a collective when distributed).
+
+        Every rank must call it at the same step; layers that did not run on any rank are left out.
+        """
+        sizes = [module.num_experts for _, module in self.layers]
+        rows = [r if r is not None else torch.zeros(3 + 2 * e, dtype=torch.float64)
+                for r, e in zip(self._routing, sizes)]
+        flat = torch.cat([torch.stack([self._loss, torch.tensor(float(self._losses), dtype=torch.float64)]), *rows])
+        self._reset()
+        if dist.is_available() and dist.is_initialized():
+            device = "cuda" if dist.get_backend(group) == "nccl" else "cpu"
+            reduced = flat.to(device)
+            dist.all_reduce(reduced, group=group)
+            flat = reduced.cpu()
+        loss = float(flat[0] / flat[1]) if flat[1] else None
+        layers, offset = [], 2
+        for (name, _), e in zip(self.layers, sizes):
+            row = flat[offset:offset + 3 + 2 * e]
+            offset += 3 + 2 * e
+            if row[0] > 0:
+                layers.append(LayerStats(name, float(row[1] / row[0]), float(row[2] / row[0]),
+                                         row[3:3 + e].clone(), row[3 + e:].clone()))
+        return loss, layers
+
+
+class Monitor:
+    """A TensorBoard writer for training runs (create it on one rank only).
+
+    Args:
+        log_dir: the folder for the event files.
+    """
+
+    def __init__(self, log_dir: str):
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.log_dir = log_dir
+        self.writer = SummaryWriter(log_dir=log_dir)
+
+    def scalars(self, step: int, values: dict[str, float]) -> None:
+        """One scalar per tag, e.g. {"Val/loss": 1.9, "Train/tokens_per_s": 5e4}."""
+        for tag, value in values.items():
+            self.writer.add_scalar(tag, value, step)
+
+    def routing(self, step: int, layers: list[LayerStats]) -> None:
+        """l_aux, z-loss and dropped fraction (mean over layers and per layer), load histograms, a heatmap."""
+        if not layers:
+            return
+        mean = {"MoE/l_aux": sum(s.l_aux for s in layers) / len(layers),
+                "MoE/z_loss": sum(s.z_loss for s in layers) / len(layers),
+                "MoE/dropped_fraction": sum(s.dropped_fraction for s in layers) / len(layers)}
+        self.scalars(step, mean)
+        for s in layers:
+            self.scalars(step, {f"MoE/{s.name}/l_aux": s.l_aux, f"MoE/{s.name}/dropped_fraction": s.dropped_fraction,
+                                f"MoE/{s.name}/max_load": float(s.load.max())})
+            self._load_histogram(step, s)
+        self.writer.add_image("MoE/expert_load", load_heatmap([s.load for s in layers]), step, dataformats="HWC")
+
+    def _load_histogram(self, step: int, s: LayerStats) -> None:
+        """The distribution of routed choices over expert ids: one bucket per expert."""
+        counts = s.exp_counts
+        ids = torch.arange(len(counts), dtype=torch.float64)
+        total = float(counts.sum())
+        if total == 0:
+            return
+        self.writer.add_histogram_raw(
+            f"MoE/{s.name}/expert_load", min=0.0, max=float(len(counts) - 1), num=total,
+            sum=float((ids * counts).sum()), sum_squares=float((ids * ids * counts).sum()),
+            bucket_limits=[i + 0.5 for i in range(len(counts))], bucket_counts=counts.tolist(), global_step=step)
+
+    def flush(self) -> None:
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+def load_heatmap(loads: list[torch.Tensor], cell: int = 12) -> torch.Tensor:
+    """An RGB uint8 image [layers * cell, max E * cell, 3] of expert loads (1.0 = balanced).
+
+    White is balanced, red up to twice the mean load or more, blue down to no load; grey pads layers
+    with fewer experts.
+    """
+    width = max(len(load) for load in loads)
+    image = torch.full((len(loads), width, 3), 128, dtype=torch.uint8)
+    for row, load in enumerate(loads):
+        x = (load.double().clamp(0, 2) - 1).unsqueeze(1)  # in [-1, 1]
+        over, under = x.clamp(min=0), (-x).clamp(min=0)
+        white = torch.tensor([1.0, 1.0, 1.0], dtype=torch.float64)
+        colour = white - over * torch.tensor([0.0, 1.0, 1.0]) - under * torch.tensor([1.0, 1.0, 0.0])
+        image[row, :len(load)] = (colour * 255).round().to(torch.uint8)
+    return image.repeat_interleave(cell, 0).repeat_interleave(cell, 1)
+
