@@ -3,8 +3,11 @@
 `from optim import initialize`; `engine, optimizer, loader, scheduler = initialize(model, config=...)`.
 """
 
+from optim.checkpoint import read_client_state
 from optim.config import EngineConfig, parse_config
 from optim.engine import Engine, initialize
+from optim.monitor import Monitor
 from optim.scaler import LossScaler, LossScalerConfig
 
-__all__ = ["Engine", "EngineConfig", "LossScaler", "LossScalerConfig", "initialize", "parse_config"]
+__all__ = ["Engine", "EngineConfig", "LossScaler", "LossScalerConfig", "Monitor", "initialize", "parse_config",
+           "read_client_state"]

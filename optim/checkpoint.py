@@ -183,6 +183,17 @@ def verify(path: str) -> None:
             )
 
 
+def read_client_state(load_dir: str, tag: str | None = None) -> dict:
+    """The client state saved with a checkpoint (after verifying it), read without an engine.
+
+    Raises:
+        FileNotFoundError: no such checkpoint. RuntimeError: it is incomplete or corrupt.
+    """
+    path = _resolve(load_dir, tag)
+    verify(path)
+    return torch.load(os.path.join(path, "meta.pt"), weights_only=True)["client_state"]
+
+
 def _manifest_entry(path: str) -> dict:
     crc = 0
     with open(path, "rb") as handle:

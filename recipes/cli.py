@@ -1,22 +1,80 @@
-"""Command-line flags from a recipe's config dataclass: one `--flag-name` per field, typed by its default."""
+"""Command-line flags from a recipe's config dataclass, and the engine config the flags fill in.
+
+One `--flag-name` per field, typed by its default; a field's metadata may add argparse settings
+(`help`, `choices`, `nargs`, `type`). A bool field that defaults to False is a plain switch
+(`--resume`), one that defaults to True gets a `--no-` form.
+"""
 
 import argparse
+import copy
 import dataclasses
+import json
+import sys
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):
+        """One line, no usage block."""
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
 def flag_parser(config_class, description: str) -> argparse.ArgumentParser:
-    """An argparse parser with one flag per field of `config_class` (bool fields take true/false)."""
-    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    """An argparse parser with one flag per field of `config_class`; a bad flag stops with one line."""
+    parser = _Parser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     for field in dataclasses.fields(config_class):
-        default = field.default
-        kind = _bool if isinstance(default, bool) else type(default)
-        parser.add_argument("--" + field.name.replace("_", "-"), type=kind, default=default)
+        default = field.default_factory() if field.default_factory is not dataclasses.MISSING else field.default
+        options = {"default": default, **field.metadata}
+        if isinstance(default, bool):
+            options["action"] = argparse.BooleanOptionalAction if default else "store_true"
+        elif "type" not in options:
+            options["type"] = type(default)
+        parser.add_argument("--" + field.name.replace("_", "-"), **options)
     return parser
 
 
-def _bool(text: str) -> bool:
-    if text.lower() in ("1", "true", "yes"):
-        return True
-    if text.lower() in ("0", "false", "no"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+def given_flags(parser: argparse.ArgumentParser, argv: list[str] | None) -> set[str]:
+    """The destinations of the flags actually written on the command line."""
+    probe = argparse.ArgumentParser(add_help=False)
+    for action in parser._actions:
+        if action.option_strings and action.dest != "help":
+            probe._add_action(_copy_suppressed(action))
+    names, _ = probe.parse_known_args(sys.argv[1:] if argv is None else argv)
+    return set(vars(names))
+
+
+def _copy_suppressed(action: argparse.Action) -> argparse.Action:
+    clone = copy.copy(action)
+    clone.default = argparse.SUPPRESS
+    return clone
+
+
+def fail(parser: argparse.ArgumentParser, message: str):
+    """Stop with one line naming the problem (no usage block, no traceback); exit status 2."""
+    parser.exit(2, f"{parser.prog}: error: {message}\n")
+
+
+def merge(base: dict, override: dict) -> dict:
+    """Nested dicts merged, `override` winning."""
+    out = dict(base)
+    for key, value in override.items():
+        out[key] = merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+def engine_config(fragments: dict[str, dict], given: set[str], json_path: str) -> dict:
+    """The engine config: flag defaults, then the JSON file, then the flags written on the command line.
+
+    Args:
+        fragments: per flag destination, the nested config entries it sets.
+        given: flag destinations written on the command line (they override the JSON file).
+        json_path: a DeepSpeed-style JSON config, or "".
+    """
+    config = {}
+    for fragment in fragments.values():
+        config = merge(config, fragment)
+    if json_path:
+        with open(json_path) as handle:
+            config = merge(config, json.load(handle))
+        for name in given & fragments.keys():
+            config = merge(config, fragments[name])
+    return config

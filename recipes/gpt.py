@@ -1,0 +1,328 @@
+"""Train a small byte-level GPT with MoE feed-forward blocks, or sample from a checkpoint.
+
+    python -m recipes.gpt                                    # MoE GPT on CPython's docs, a few minutes on a CPU
+    python -m recipes.gpt --dense                            # its dense twin: same active parameters per token
+    python -m recipes.gpt --num-experts 16 --top-k 1 --dropless --steps 3000 --data my_corpus/
+    python -m recipes.gpt --checkpoint-dir ckpt/gpt --checkpoint-interval 200       # then add --resume
+    python -m recipes.gpt sample --checkpoint-dir ckpt/gpt --prompt "The with statement"
+    torchrun --standalone --nproc_per_node 4 -m recipes.gpt --ep-world-size 2 --stage 2   # expert parallelism
+
+Data: --data names a text file or a folder of them (bytes are the tokens, vocabulary 256); the
+default is the English documentation that ships inside CPython (`pydoc_data.topics`, ~466 KB).
+The last --val-fraction of the bytes is held out. Each process draws its own random windows,
+seeded by (seed, step, micro-batch, rank), so a resumed run sees the batches it would have seen.
+
+Every --log-interval steps a progress line shows step, loss, tokens/s and ETA; every
+--eval-interval steps the validation loss is printed beside the unigram baseline (the held-out
+cross-entropy of the training bytes' frequencies). TensorBoard logs go to --log-dir/--run-name:
+train and validation loss, learning rate, loss scale, l_aux, z-loss, dropped fraction, expert
+load per layer (histogram and an experts x layers heatmap), step time and tokens/s.
+"""
+
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass, field, fields
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from moe import split_params_into_different_moe_groups_for_optimizer
+from optim import initialize, read_client_state
+from parallel import init_distributed
+from recipes.cli import engine_config, fail, flag_parser, given_flags
+from recipes.gpt_model import GPT, GPTConfig
+from recipes.training import Progress, all_sum
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    data: str = field(default="", metadata={"help": "text file or folder (default: CPython's pydoc_data.topics)"})
+    val_fraction: float = 0.1
+    steps: int = 1200
+    batch_size: int = field(default=32, metadata={"help": "sequences per micro-batch and process"})
+    gradient_accumulation_steps: int = 1
+    seq_len: int = 128
+    n_layer: int = 4
+    n_head: int = 4
+    n_embd: int = 128
+    ffn: int = field(default=512, metadata={"help": "dense feed-forward width; experts get ffn / top-k"})
+    dropout: float = 0.0
+    dense: bool = field(default=False, metadata={"help": "the dense twin: no MoE blocks"})
+    moe_every: int = field(default=2, metadata={"help": "MoE feed-forward in every n-th block"})
+    num_experts: int = 8
+    top_k: int = 2
+    expert_ffn: int = field(default=0, metadata={"help": "expert hidden width (0: ffn / top-k)"})
+    capacity_factor: float = 1.25
+    eval_capacity_factor: float = 2.0
+    min_capacity: int = 4
+    dropless: bool = False
+    noisy_gate_policy: str = field(default="None", metadata={"choices": ["None", "Jitter", "RSample"]})
+    aux_coef: float = 0.01
+    z_loss_coef: float = 0.001
+    ep_world_size: int = 1
+    stage: int = field(default=0, metadata={"choices": [0, 1, 2, 3]})
+    dtype: str = field(default="fp32", metadata={"choices": ["fp32", "bf16", "fp16"]})
+    lr: float = 2e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 50
+    weight_decay: float = 0.1
+    gradient_clipping: float = 1.0
+    eval_interval: int = 200
+    eval_batches: int = 16
+    log_interval: int = 20
+    log_dir: str = "runs"
+    run_name: str = field(default="", metadata={"help": "TensorBoard run folder (default: gpt-moe-<time>)"})
+    checkpoint_dir: str = ""
+    checkpoint_interval: int = field(default=0, metadata={"help": "save every n steps (and at the end)"})
+    resume: bool = field(default=False, metadata={"help": "continue from the latest checkpoint in --checkpoint-dir"})
+    config: str = field(default="", metadata={"help": "a JSON engine config; flags written out override it"})
+    seed: int = 0
+
+
+MODEL_FIELDS = {f.name for f in fields(GPTConfig)} - {"vocab_size", "block_size", "moe_every", "ep_size"}
+
+
+def model_config(cfg: TrainConfig) -> GPTConfig:
+    return GPTConfig(block_size=cfg.seq_len, moe_every=0 if cfg.dense else cfg.moe_every, ep_size=cfg.ep_world_size,
+                     noisy_gate_policy=None if cfg.noisy_gate_policy == "None" else cfg.noisy_gate_policy,
+                     **{name: getattr(cfg, name) for name in MODEL_FIELDS if name != "noisy_gate_policy"})
+
+
+def engine_fragments(cfg: TrainConfig) -> dict[str, dict]:
+    """Which engine-config entries each flag sets."""
+    return {
+        "batch_size": {"train_micro_batch_size_per_gpu": cfg.batch_size},
+        "gradient_accumulation_steps": {"gradient_accumulation_steps": cfg.gradient_accumulation_steps},
+        "lr": {"optimizer": {"type": "AdamW", "params": {"lr": cfg.lr, "betas": [0.9, 0.95]}}},
+        "weight_decay": {"optimizer": {"params": {"weight_decay": cfg.weight_decay}}},
+        "steps": {"scheduler": {"type": "WarmupCosineLR", "params": {"total_num_steps": cfg.steps}}},
+        "warmup_steps": {"scheduler": {"params": {"warmup_num_steps": cfg.warmup_steps}}},
+        "min_lr_ratio": {"scheduler": {"params": {"cos_min_ratio": cfg.min_lr_ratio}}},
+        "gradient_clipping": {"gradient_clipping": cfg.gradient_clipping},
+        "dtype": {"bf16": {"enabled": cfg.dtype == "bf16"}, "fp16": {"enabled": cfg.dtype == "fp16"}},
+        "stage": {"zero_optimization": {"stage": cfg.stage}},
+        "run_name": {"tensorboard": {"enabled": True, "output_path": cfg.log_dir, "job_name": cfg.run_name}},
+        "steps_per_print": {"steps_per_print": 10**9},
+    }
+
+
+# Data.
+
+def load_text(path: str) -> bytes:
+    """The bytes of a text file, of every text file under a folder (sorted), or of CPython's docs."""
+    if not path:
+        from pydoc_data.topics import topics
+
+        return "\n\n".join(topics[key] for key in sorted(topics)).encode()
+    if os.path.isdir(path):
+        chunks = []
+        for root, dirs, files in os.walk(path):
+            dirs.sort()
+            for name in sorted(files):
+                with open(os.path.join(root, name), "rb") as handle:
+                    data = handle.read()
+                if data and b"\0" not in data[:4096]:  # skip binary files
+                    chunks.append(data)
+        return b"\n".join(chunks)
+    with open(path, "rb") as handle:
+        return handle.read()
+
+
+def split_tokens(data: bytes, val_fraction: float, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    tokens = torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
+    n_val = int(len(tokens) * val_fraction)
+    train, val = tokens[:len(tokens) - n_val], tokens[len(tokens) - n_val:]
+    if len(train) <= seq_len + 1 or len(val) <= seq_len + 1:
+        raise ValueError(f"the data ({len(tokens)} bytes) is too small for --seq-len {seq_len} with "
+                         f"--val-fraction {val_fraction}: both splits need more than {seq_len + 1} bytes")
+    return train, val
+
+
+def unigram_baseline(train: torch.Tensor, val: torch.Tensor) -> float:
+    """Held-out cross-entropy (nats/byte) of the training bytes' frequencies, add-one smoothed."""
+    counts = torch.bincount(train, minlength=256).double() + 1
+    log_p = (counts / counts.sum()).log()
+    return float(-log_p[val].mean())
+
+
+def windows(tokens: torch.Tensor, starts: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    index = starts[:, None] + torch.arange(seq_len + 1)
+    chunk = tokens[index]
+    return chunk[:, :-1], chunk[:, 1:]
+
+
+def train_batch(tokens: torch.Tensor, cfg: TrainConfig, step: int, micro: int, rank: int):
+    seed = ((cfg.seed * 1_000_003 + step) * 1009 + micro) * 8191 + rank
+    g = torch.Generator().manual_seed(seed)
+    return windows(tokens, torch.randint(len(tokens) - cfg.seq_len, (cfg.batch_size,), generator=g), cfg.seq_len)
+
+
+@torch.no_grad()
+def evaluate(engine, val: torch.Tensor, cfg: TrainConfig, rank: int, world: int) -> float:
+    """Mean loss over fixed windows spread over the held-out bytes (each process takes its share)."""
+    per_rank = math.ceil(cfg.eval_batches / world)
+    starts = torch.linspace(0, len(val) - cfg.seq_len - 1, per_rank * world * cfg.batch_size).long()
+    engine.eval()
+    total = count = 0.0
+    for j in range(per_rank):
+        batch = (j * world + rank) * cfg.batch_size
+        x, y = windows(val, starts[batch:batch + cfg.batch_size], cfg.seq_len)
+        logits = engine(x)[0]
+        total += F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="sum").item()
+        count += y.numel()
+    engine.train()
+    total, count = all_sum(total, count)
+    return total / count
+
+
+# Training.
+
+def train(cfg: TrainConfig, given: set[str], rank: int, world: int) -> dict:
+    torch.manual_seed(cfg.seed)
+    data = load_text(cfg.data)
+    train_tokens, val_tokens = split_tokens(data, cfg.val_fraction, cfg.seq_len)
+    unigram = unigram_baseline(train_tokens, val_tokens)
+    model = GPT(model_config(cfg))
+    total_params, active_params = model.parameter_counts()
+    groups = split_params_into_different_moe_groups_for_optimizer({"params": list(model.parameters()), "name": "dense"})
+    config = engine_config(engine_fragments(cfg), given, cfg.config)
+    engine, *_ = initialize(model, model_parameters=groups, config=config)
+    first_step = 0
+    if cfg.resume:
+        engine.load_checkpoint(cfg.checkpoint_dir)
+        first_step = engine.global_steps
+    tokens_per_step = cfg.batch_size * cfg.seq_len * engine.accumulation * world
+    progress = Progress(cfg.steps, first_step, tokens_per_step, enabled=rank == 0)
+    progress.message(f"data: {len(data):,} bytes ({len(train_tokens):,} train, {len(val_tokens):,} validation); "
+                     f"unigram baseline {unigram:.4f} nats/byte")
+    progress.message(f"model: {'dense' if cfg.dense else 'MoE'}, {total_params:,} parameters, {active_params:,} active "
+                     f"per token; {world} process(es), ep {cfg.ep_world_size}, ZeRO stage {engine.stage}, {cfg.dtype}")
+    history = {"train": [], "val": [], "tokens_per_s": []}
+    rate = 0.0
+    for step in range(first_step + 1, cfg.steps + 1):
+        for micro in range(engine.accumulation):
+            x, y = train_batch(train_tokens, cfg, step, micro, rank)
+            logits, l_aux, z_loss = engine(x)
+            loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+            engine.backward(loss + cfg.aux_coef * l_aux + cfg.z_loss_coef * z_loss)
+            engine.step()
+        history["train"].append((step, loss.item()))
+        if step % cfg.log_interval == 0 or step == cfg.steps:
+            rate = progress.rate(step)
+            history["tokens_per_s"].append(rate)
+            progress.line(step, rate, loss=loss.item(), lr=f"{engine.get_lr()[0]:.2e}")
+            if engine.monitor is not None:
+                engine.monitor.scalars(step, {"Train/tokens_per_s": rate})
+        if step % cfg.eval_interval == 0 or step == cfg.steps:
+            val_loss = evaluate(engine, val_tokens, cfg, rank, world)
+            history["val"].append((step, val_loss))
+            progress.message(f"step {step}: validation loss {val_loss:.4f} nats/byte (unigram {unigram:.4f})")
+            if engine.monitor is not None:
+                engine.monitor.scalars(step, {"Val/loss": val_loss, "Val/unigram_baseline": unigram})
+        if cfg.checkpoint_dir and ((cfg.checkpoint_interval and step % cfg.checkpoint_interval == 0)
+                                   or step == cfg.steps):
+            engine.save_checkpoint(cfg.checkpoint_dir, client_state={"recipe": asdict(cfg)})
+    if engine.monitor is not None:
+        engine.monitor.close()
+        progress.message(f"TensorBoard logs: {engine.monitor.log_dir}   (view: tensorboard --logdir {cfg.log_dir})")
+    return {"history": history, "unigram": unigram, "total_params": total_params, "active_params": active_params,
+            "val_loss": history["val"][-1][1] if history["val"] else None,
+            "tokens_per_s": sum(history["tokens_per_s"]) / max(len(history["tokens_per_s"]), 1)}
+
+
+def checked_config(parser, argv: list[str] | None, world: int) -> tuple[TrainConfig, set[str]]:
+    """Parse and validate the flags (and on --resume take the model from the checkpoint); one line on error."""
+    args = parser.parse_args(argv)
+    given = given_flags(parser, argv)
+    cfg = TrainConfig(**vars(args))
+    if cfg.resume:
+        if not cfg.checkpoint_dir:
+            fail(parser, "--resume needs --checkpoint-dir")
+        try:
+            saved = read_client_state(cfg.checkpoint_dir)["recipe"]
+        except (OSError, RuntimeError, KeyError) as error:
+            fail(parser, f"cannot resume from --checkpoint-dir {cfg.checkpoint_dir}: {error}")
+        cfg = TrainConfig(**{**saved, **{name: getattr(cfg, name) for name in given}, "resume": True})
+    if not cfg.run_name:
+        cfg.run_name = f"gpt-{'dense' if cfg.dense else 'moe'}-{time.strftime('%Y%m%d-%H%M%S')}"
+    if world % cfg.ep_world_size:
+        fail(parser, f"--ep-world-size ({cfg.ep_world_size}) must divide the number of processes ({world})")
+    if not cfg.dense and cfg.num_experts % cfg.ep_world_size:
+        fail(parser, f"--num-experts ({cfg.num_experts}) must be divisible by --ep-world-size ({cfg.ep_world_size})")
+    if not cfg.dense and not 1 <= cfg.top_k <= cfg.num_experts:
+        fail(parser, f"--top-k ({cfg.top_k}) must be between 1 and --num-experts ({cfg.num_experts})")
+    if cfg.dense and cfg.ep_world_size > 1:
+        fail(parser, f"--dense has no experts to spread: use --ep-world-size 1, got {cfg.ep_world_size}")
+    for name in ("steps", "batch_size", "seq_len", "eval_interval", "eval_batches", "log_interval", "n_layer"):
+        if getattr(cfg, name) < 1:
+            fail(parser, f"--{name.replace('_', '-')} must be at least 1, got {getattr(cfg, name)}")
+    if not 0 < cfg.val_fraction < 1:
+        fail(parser, f"--val-fraction must be between 0 and 1, got {cfg.val_fraction}")
+    if cfg.config and not os.path.isfile(cfg.config):
+        fail(parser, f"--config {cfg.config} does not exist")
+    try:
+        model_config(cfg)
+    except ValueError as error:
+        fail(parser, str(error))
+    return cfg, given
+
+
+def main(argv: list[str] | None = None) -> dict:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["sample"]:
+        return sample(argv[1:])
+    parser = flag_parser(TrainConfig, __doc__)
+    parser.prog = "recipes.gpt"
+    rank, world = init_distributed()
+    cfg, given = checked_config(parser, argv, world)
+    if rank == 0:
+        print("config:", json.dumps(asdict(cfg)), f"processes={world}", flush=True)
+    try:
+        result = train(cfg, given, rank, world)
+    except ValueError as error:  # bad data or engine config: one line, as for flags
+        fail(parser, str(error))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return result
+
+
+# Sampling.
+
+@dataclass(kw_only=True)
+class SampleConfig:
+    checkpoint_dir: str = ""
+    prompt: str = "The "
+    new_tokens: int = 300
+    temperature: float = 0.8
+    top_k: int = 40
+    seed: int = 0
+
+
+def sample(argv: list[str]) -> dict:
+    parser = flag_parser(SampleConfig, "Generate text from a checkpoint of recipes.gpt.")
+    parser.prog = "recipes.gpt sample"
+    cfg = SampleConfig(**vars(parser.parse_args(argv)))
+    try:
+        saved = TrainConfig(**read_client_state(cfg.checkpoint_dir)["recipe"])
+    except (OSError, RuntimeError, KeyError, TypeError) as error:
+        fail(parser, f"cannot read a recipes.gpt checkpoint from --checkpoint-dir {cfg.checkpoint_dir!r}: {error}")
+    saved.ep_world_size = 1  # checkpoints load at any expert-parallel size
+    model = GPT(model_config(saved))
+    engine, *_ = initialize(model, config={"train_micro_batch_size_per_gpu": 1,
+                                           "optimizer": {"type": "AdamW", "params": {"lr": 0.0}}})
+    engine.load_checkpoint(cfg.checkpoint_dir, load_optimizer_states=False)
+    model.eval()
+    prompt = torch.tensor([list(cfg.prompt.encode())], dtype=torch.long)
+    out = model.generate(prompt, cfg.new_tokens, cfg.temperature, cfg.top_k, torch.Generator().manual_seed(cfg.seed))
+    text = bytes(out[0].tolist()).decode("utf-8", errors="replace")
+    print(text)
+    return {"text": text}
+
+
+if __name__ == "__main__":
+    main()

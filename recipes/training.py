@@ -1,0 +1,63 @@
+"""Pieces both training recipes share: the console progress line and sums over all processes."""
+
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+
+def all_sum(*values: float) -> list[float]:
+    """Each value summed over all processes (one all-reduce; plain values in one process)."""
+    tensor = torch.tensor(values, dtype=torch.float64)
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(tensor)
+    return tensor.tolist()
+
+
+def duration(seconds: float) -> str:
+    seconds = int(max(seconds, 0))
+    return f"{seconds // 3600}h{seconds // 60 % 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"
+
+
+class Progress:
+    """One console line per report: step, loss, tokens/s, elapsed time and ETA (rewritten in place on a terminal).
+
+    Args:
+        total_steps: the step the run ends at.
+        first_step: the step the run starts from (after a resume).
+        tokens_per_step: tokens (or samples) per optimizer step over all processes.
+        unit: what tokens_per_step counts ("tok" or "img").
+        enabled: False on every rank but 0.
+    """
+
+    def __init__(self, total_steps: int, first_step: int, tokens_per_step: int, unit: str = "tok",
+                 enabled: bool = True):
+        self.total_steps, self.first_step, self.tokens_per_step = total_steps, first_step, tokens_per_step
+        self.unit, self.enabled = unit, enabled
+        self.start = self.last_time = time.perf_counter()
+        self.last_step = first_step
+        self.live = enabled and sys.stdout.isatty()
+
+    def rate(self, step: int) -> float:
+        """Tokens per second since the previous call (restarts the interval)."""
+        now = time.perf_counter()
+        rate = (step - self.last_step) * self.tokens_per_step / max(now - self.last_time, 1e-9)
+        self.last_step, self.last_time = step, now
+        return rate
+
+    def line(self, step: int, rate: float, **values: float) -> None:
+        if not self.enabled:
+            return
+        elapsed = time.perf_counter() - self.start
+        done = step - self.first_step
+        eta = elapsed / done * (self.total_steps - step) if done else 0.0
+        fields = "  ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in values.items())
+        text = (f"step {step}/{self.total_steps}  {fields}  {rate:,.0f} {self.unit}/s  "
+                f"elapsed {duration(elapsed)}  ETA {duration(eta)}")
+        print(("\r" + text.ljust(110)) if self.live else text, end="" if self.live else "\n", flush=True)
+
+    def message(self, text: str) -> None:
+        """A line that stays (after the live line, if any)."""
+        if self.enabled:
+            print(("\n" if self.live else "") + text, flush=True)
