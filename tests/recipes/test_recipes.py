@@ -1,0 +1,147 @@
+"""The GPT and CIFAR recipes at tiny sizes: the loss falls, TensorBoard gets every statistic, resume continues."""
+
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from recipes import cifar, compare_dense_moe, gpt
+
+CIFAR_JSON = pathlib.Path(cifar.__file__).parent / "configs" / "cifar.json"
+GPT_TINY = ["--n-layer", "2", "--n-embd", "32", "--n-head", "2", "--ffn", "64", "--seq-len", "32", "--batch-size", "8",
+            "--num-experts", "4", "--top-k", "2", "--eval-batches", "2", "--lr", "3e-3", "--warmup-steps", "5"]
+CIFAR_TINY = ["--moe", "--num-experts", "4", "--top-k", "2", "--train-size", "384", "--test-size", "100",
+              "--batch-size", "16", "--log-interval", "8"]
+TRAIN_SCALARS = {"Train/loss", "Train/lr", "Train/loss_scale", "Train/step_time_ms", "Train/samples_per_s",
+                 "MoE/l_aux", "MoE/z_loss", "MoE/dropped_fraction", "Val/loss"}
+
+
+def _events(folder):
+    board = EventAccumulator(str(folder), size_guidance={"scalars": 0, "images": 0, "histograms": 0})
+    board.Reload()
+    return board
+
+
+def _logged_losses(text: str) -> dict[int, float]:
+    return {int(step): float(loss) for step, loss in re.findall(r"step (\d+)/\d+ .*?loss ([0-9.]+)", text)}
+
+
+def test_gpt_trains_logs_every_statistic_and_resumes_exactly(tmp_path, capsys):
+    args = GPT_TINY + ["--steps", "40", "--eval-interval", "20", "--log-interval", "10", "--log-dir", str(tmp_path),
+                       "--run-name", "run", "--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-interval", "20"]
+    straight = gpt.main(args)
+    train = [loss for _, loss in straight["history"]["train"]]
+    assert sum(train[-5:]) / 5 < sum(train[:5]) / 5 - 0.5
+    val = [loss for _, loss in straight["history"]["val"]]
+    assert val[1] < val[0] < 5.6  # below the loss of a uniform guess over 256 bytes (5.55) and falling
+
+    board = _events(tmp_path / "run")
+    scalars = set(board.Tags()["scalars"])
+    assert TRAIN_SCALARS | {"Train/tokens_per_s", "MoE/blocks.1.ffn/l_aux"} <= scalars, scalars
+    assert board.Tags()["histograms"] == ["MoE/blocks.1.ffn/expert_load"]
+    assert board.Tags()["images"] == ["MoE/expert_load"]
+    assert [e.step for e in board.Scalars("Train/loss")] == list(range(1, 41))
+    dropped = [e.value for e in board.Scalars("MoE/dropped_fraction")]
+    assert all(0 <= d < 1 for d in dropped)
+
+    (tmp_path / "ckpt" / "latest").write_text("global_step20")  # as if the run had died after step 20's checkpoint
+    resumed = gpt.main(["--resume", "--checkpoint-dir", str(tmp_path / "ckpt")])
+    assert [s for s, _ in resumed["history"]["train"]] == list(range(21, 41))
+    assert resumed["history"]["train"] == straight["history"]["train"][20:]
+    assert resumed["history"]["val"] == straight["history"]["val"][1:]
+
+    capsys.readouterr()
+    gpt.main(["sample", "--checkpoint-dir", str(tmp_path / "ckpt"), "--prompt", "The ", "--new-tokens", "20"])
+    assert capsys.readouterr().out.startswith("The ")
+
+
+def test_cifar_trains_logs_and_resumes_exactly(tmp_path):
+    args = CIFAR_TINY + ["--log-dir", str(tmp_path), "--run-name", "run", "--checkpoint-dir", str(tmp_path / "ckpt")]
+    straight = cifar.main(args + ["--epochs", "2"])
+    first, second = straight["history"]
+    assert second["train_loss"] < first["train_loss"] and len(second["per_class"]) == 10
+    assert 0 <= second["accuracy"] <= 1
+    scalars = set(_events(tmp_path / "run").Tags()["scalars"])
+    assert TRAIN_SCALARS | {"Val/accuracy", "Val/accuracy_cat", "Train/images_per_s"} <= scalars, scalars
+
+    (tmp_path / "ckpt" / "latest").write_text("global_step24")  # the end of epoch 1
+    resumed = cifar.main(["--resume", "--checkpoint-dir", str(tmp_path / "ckpt"), "--epochs", "2"])
+    assert resumed["history"] == [second] and resumed["global_steps"] == 48
+
+
+def _torchrun(module: str, *args: str) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+               "-m", module, *args]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done
+
+
+def test_gpt_under_torchrun_with_expert_parallelism_resumes(tmp_path):
+    args = GPT_TINY + ["--ep-world-size", "2", "--stage", "2", "--steps", "30", "--eval-interval", "15",
+                       "--log-interval", "5", "--log-dir", str(tmp_path), "--run-name", "run",
+                       "--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-interval", "15"]
+    straight = _logged_losses(_torchrun("recipes.gpt", *args).stdout)
+    assert set(straight) == {5, 10, 15, 20, 25, 30} and straight[30] < straight[5] - 0.3
+    board = _events(tmp_path / "run")
+    assert TRAIN_SCALARS <= set(board.Tags()["scalars"])
+    assert board.Tags()["images"] == ["MoE/expert_load"]
+
+    (tmp_path / "ckpt" / "latest").write_text("global_step15")
+    resumed = _logged_losses(_torchrun("recipes.gpt", "--resume", "--checkpoint-dir", str(tmp_path / "ckpt")).stdout)
+    assert resumed == {s: loss for s, loss in straight.items() if s > 15}
+
+
+def test_cifar_under_torchrun_with_expert_parallelism(tmp_path):
+    args = CIFAR_TINY + ["--num-experts", "2", "4", "--ep-world-size", "2", "--stage", "1", "--epochs", "2",
+                         "--config", str(CIFAR_JSON),
+                         "--log-dir", str(tmp_path), "--run-name", "run"]
+    out = _torchrun("recipes.cifar", *args).stdout
+    losses = [float(x) for x in re.findall(r"epoch \d: train loss ([0-9.]+)", out)]
+    assert len(losses) == 2 and losses[1] < losses[0], out
+    assert "SYNTHETIC" in out and "test accuracy" in out
+    assert TRAIN_SCALARS <= set(_events(tmp_path / "run").Tags()["scalars"])
+
+
+@pytest.mark.parametrize("recipe, argv, message", [
+    (gpt, ["--top-k", "3", "--num-experts", "2"], r"--top-k \(3\) must be between 1 and --num-experts \(2\)"),
+    (gpt, ["--ep-world-size", "2"], r"--ep-world-size \(2\) must divide the number of processes \(1\)"),
+    (gpt, ["--stage", "5"], r"argument --stage: invalid choice: 5"),
+    (gpt, ["--n-embd", "30", "--n-head", "4"], r"n_embd \(30\) must be divisible by n_head \(4\)"),
+    (gpt, ["--resume"], r"--resume needs --checkpoint-dir"),
+    (gpt, ["--config", "/nonexistent.json"], r"--config /nonexistent.json does not exist"),
+    (cifar, ["--moe", "--num-experts", "2", "--top-k", "3"], r"--top-k \(3\) must be between 1 and --num-experts \(2\)"),
+    (cifar, ["--moe", "--ep-world-size", "2"], r"--ep-world-size \(2\) must divide the number of processes \(1\)"),
+    (cifar, ["--dtype", "fp8"], r"argument --dtype: invalid choice: 'fp8'"),
+])
+def test_a_wrong_flag_stops_with_one_line(recipe, argv, message, capsys):
+    with pytest.raises(SystemExit) as stop:
+        recipe.main(argv)
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and re.search(message, err), err
+
+
+def test_a_bad_engine_config_file_stops_with_one_line(tmp_path):
+    config = tmp_path / "engine.json"
+    config.write_text('{"zero_optimization": {"stage": 7}}')
+    done = subprocess.run([sys.executable, "-m", "recipes.cifar", "--config", str(config), "--train-size", "32"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert done.stderr.strip().splitlines() == [
+        "recipes.cifar: error: zero_optimization.stage must be 0, 1, 2 or 3, got 7"], done.stderr
+
+
+def test_the_comparison_writes_its_table(tmp_path):
+    out = tmp_path / "table.md"
+    rows = compare_dense_moe.main(["--steps", "6", "--batch-size", "4", "--seq-len", "16", "--n-layer", "2",
+                                   "--n-embd", "16", "--ffn", "32", "--eval-interval", "6", "--eval-batches", "1",
+                                   "--log-dir", str(tmp_path), "--out", str(out)])
+    dense, moe = rows
+    assert dense["total"] == dense["active"] < moe["total"]
+    assert moe["active"] - dense["active"] == 16 * 8 + 16  # the router, and a second output bias per token
+    text = out.read_text()
+    assert "| dense | " in text and "| MoE 8 experts, top-2 | " in text
