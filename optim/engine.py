@@ -122,6 +122,9 @@ class Engine:
         lr_scheduler: the schedule, or None.
         global_steps: optimizer steps taken (skipped fp16 steps included, as in DeepSpeed).
         micro_steps: micro-batches seen.
+        monitor: with `tensorboard.enabled`, rank 0's `optim.Monitor` (None elsewhere); each optimizer
+            step writes loss, lr, loss scale, step time and the MoE layers' routing statistics, and
+            callers may add their own scalars (validation loss, tokens/s) through it.
     """
 
     def __init__(self, model: nn.Module, config: EngineConfig, model_parameters=None, optimizer=None,

@@ -35,7 +35,7 @@ from moe import MoE, split_params_into_different_moe_groups_for_optimizer
 from optim import initialize, read_client_state
 from parallel import init_distributed
 from recipes.cli import engine_config, fail, flag_parser, given_flags
-from recipes.training import Progress, all_sum
+from recipes.training import Progress, SetupError, all_sum
 
 CLASSES = ("plane", "car", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck")
 MEAN, STD = torch.tensor([0.4914, 0.4822, 0.4465]), torch.tensor([0.2470, 0.2435, 0.2616])
@@ -92,9 +92,9 @@ def engine_fragments(cfg: CifarConfig) -> dict[str, dict]:
 class _ArraysOnly(pickle.Unpickler):
     """CIFAR's batches are pickled dicts of numpy arrays: admit those and nothing else."""
 
-    ALLOWED = {("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "_reconstruct"),
+    ALLOWED = frozenset({("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "_reconstruct"),
                ("numpy", "ndarray"), ("numpy", "dtype"), ("numpy.core.multiarray", "scalar"),
-               ("numpy._core.multiarray", "scalar")}
+               ("numpy._core.multiarray", "scalar")})
 
     def find_class(self, module, name):
         if (module, name) not in self.ALLOWED:
@@ -209,7 +209,10 @@ def test(engine, images, labels, cfg: CifarConfig, rank: int, world: int) -> tup
 
 def train(cfg: CifarConfig, given: set[str], rank: int, world: int) -> dict:
     torch.manual_seed(cfg.seed)
-    data = load_cifar(cfg.data_dir)
+    try:
+        data = load_cifar(cfg.data_dir)
+    except (OSError, ValueError, KeyError, EOFError, pickle.UnpicklingError) as error:
+        raise SetupError(f"cannot read CIFAR-10 from --data-dir {cfg.data_dir}: {error!r}") from None
     say = print if rank == 0 else (lambda *a, **k: None)
     if data is None:
         where = cfg.data_dir or "(no --data-dir given)"
@@ -221,10 +224,14 @@ def train(cfg: CifarConfig, given: set[str], rank: int, world: int) -> dict:
         train_x, train_y = train_x[:cfg.train_size], train_y[:cfg.train_size]
     if cfg.test_size:
         test_x, test_y = test_x[:cfg.test_size], test_y[:cfg.test_size]
-    model = Net(cfg)
-    params = split_params_into_different_moe_groups_for_optimizer(
-        {"params": list(model.parameters()), "name": "parameters"}) if cfg.moe_param_group else None
-    engine, *_ = initialize(model, model_parameters=params, config=engine_config(engine_fragments(cfg), given, cfg.config))
+    try:  # bad model or engine settings stop with one line
+        model = Net(cfg)
+        params = split_params_into_different_moe_groups_for_optimizer(
+            {"params": list(model.parameters()), "name": "parameters"}) if cfg.moe_param_group else None
+        engine, *_ = initialize(model, model_parameters=params,
+                                config=engine_config(engine_fragments(cfg), given, cfg.config))
+    except (OSError, ValueError) as error:
+        raise SetupError(str(error)) from None
     first_epoch = 0
     if cfg.resume:
         _, client = engine.load_checkpoint(cfg.checkpoint_dir)
@@ -269,8 +276,8 @@ def train(cfg: CifarConfig, given: set[str], rank: int, world: int) -> dict:
 
 def checked_config(parser, argv: list[str] | None, world: int) -> tuple[CifarConfig, set[str]]:
     """Parse and validate the flags (on --resume the model flags come from the checkpoint); one line on error."""
-    given = given_flags(parser, argv)
     cfg = CifarConfig(**vars(parser.parse_args(argv)))
+    given = given_flags(parser, argv)
     if cfg.resume:
         if not cfg.checkpoint_dir:
             fail(parser, "--resume needs --checkpoint-dir")
@@ -309,7 +316,7 @@ def main(argv: list[str] | None = None) -> dict:
         print("config:", json.dumps(asdict(cfg)), f"processes={world}", flush=True)
     try:
         return train(cfg, given, rank, world)
-    except ValueError as error:  # a bad engine config or model setting: one line, as for flags
+    except SetupError as error:
         fail(parser, str(error))
     finally:
         if dist.is_initialized():

@@ -34,7 +34,7 @@ def flag_parser(config_class, description: str) -> argparse.ArgumentParser:
 
 def given_flags(parser: argparse.ArgumentParser, argv: list[str] | None) -> set[str]:
     """The destinations of the flags actually written on the command line."""
-    probe = argparse.ArgumentParser(add_help=False)
+    probe = _Parser(prog=parser.prog, add_help=False)
     for action in parser._actions:
         if action.option_strings and action.dest != "help":
             probe._add_action(_copy_suppressed(action))

@@ -35,7 +35,7 @@ from optim import initialize, read_client_state
 from parallel import init_distributed
 from recipes.cli import engine_config, fail, flag_parser, given_flags
 from recipes.gpt_model import GPT, GPTConfig
-from recipes.training import Progress, all_sum
+from recipes.training import Progress, SetupError, all_sum
 
 
 @dataclass(kw_only=True)
@@ -183,14 +183,18 @@ def evaluate(engine, val: torch.Tensor, cfg: TrainConfig, rank: int, world: int)
 
 def train(cfg: TrainConfig, given: set[str], rank: int, world: int) -> dict:
     torch.manual_seed(cfg.seed)
-    data = load_text(cfg.data)
-    train_tokens, val_tokens = split_tokens(data, cfg.val_fraction, cfg.seq_len)
+    try:  # bad data, model or engine settings stop with one line
+        data = load_text(cfg.data)
+        train_tokens, val_tokens = split_tokens(data, cfg.val_fraction, cfg.seq_len)
+        model = GPT(model_config(cfg))
+        groups = split_params_into_different_moe_groups_for_optimizer(
+            {"params": list(model.parameters()), "name": "dense"})
+        engine, *_ = initialize(model, model_parameters=groups, config=engine_config(engine_fragments(cfg), given,
+                                                                                     cfg.config))
+    except (OSError, ValueError) as error:
+        raise SetupError(str(error)) from None
     unigram = unigram_baseline(train_tokens, val_tokens)
-    model = GPT(model_config(cfg))
     total_params, active_params = model.parameter_counts()
-    groups = split_params_into_different_moe_groups_for_optimizer({"params": list(model.parameters()), "name": "dense"})
-    config = engine_config(engine_fragments(cfg), given, cfg.config)
-    engine, *_ = initialize(model, model_parameters=groups, config=config)
     first_step = 0
     if cfg.resume:
         engine.load_checkpoint(cfg.checkpoint_dir)
@@ -283,7 +287,7 @@ def main(argv: list[str] | None = None) -> dict:
         print("config:", json.dumps(asdict(cfg)), f"processes={world}", flush=True)
     try:
         result = train(cfg, given, rank, world)
-    except ValueError as error:  # bad data or engine config: one line, as for flags
+    except SetupError as error:
         fail(parser, str(error))
     finally:
         if dist.is_initialized():

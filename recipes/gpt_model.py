@@ -125,7 +125,7 @@ class GPT(nn.Module):
             nn.init.normal_(block.attn.proj.weight, std=0.02 / math.sqrt(2 * self.cfg.n_layer))
 
     def forward(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        B, T = idx.shape
+        T = idx.shape[1]
         if T > self.cfg.block_size:
             raise ValueError(f"sequence length {T} exceeds block_size {self.cfg.block_size}")
         x = self.wte(idx) + self.wpe(torch.arange(T, device=idx.device))

@@ -7,6 +7,10 @@ import torch
 import torch.distributed as dist
 
 
+class SetupError(Exception):
+    """A bad value found while building data, model or engine: reported in one line like a bad flag."""
+
+
 def all_sum(*values: float) -> list[float]:
     """Each value summed over all processes (one all-reduce; plain values in one process)."""
     tensor = torch.tensor(values, dtype=torch.float64)

@@ -43,7 +43,7 @@ def test_the_moe_layer_publishes_its_routing():
     layer = MoE(8, nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8)), num_experts=4, k=2,
                 capacity_factor=0.5, min_capacity=1)
     assert layer.routing_stats is None
-    out, l_aux, exp_counts = layer(torch.randn(32, 8))
+    _, l_aux, exp_counts = layer(torch.randn(32, 8))
     stats = layer.routing_stats
     assert torch.equal(stats["exp_counts"], exp_counts) and int(exp_counts.sum()) == 64
     assert torch.equal(stats["l_aux"], l_aux.detach()) and torch.equal(stats["z_loss"], layer.z_loss.detach())
@@ -55,7 +55,10 @@ def test_the_moe_layer_publishes_its_routing():
 def test_heatmap_colours_balanced_white_overloaded_red_idle_blue():
     image = load_heatmap([torch.tensor([1.0, 2.0, 0.0]), torch.tensor([1.0, 1.0])], cell=2)
     assert image.shape == (4, 6, 3) and image.dtype == torch.uint8
-    pixel = lambda row, col: image[2 * row, 2 * col].tolist()  # noqa: E731
+
+    def pixel(row, col):
+        return image[2 * row, 2 * col].tolist()
+
     assert pixel(0, 0) == [255, 255, 255] and pixel(0, 1) == [255, 0, 0] and pixel(0, 2) == [0, 0, 255]
     assert pixel(1, 2) == [128, 128, 128]  # the second layer has only two experts
 

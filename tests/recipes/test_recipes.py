@@ -15,6 +15,7 @@ GPT_TINY = ["--n-layer", "2", "--n-embd", "32", "--n-head", "2", "--ffn", "64", 
             "--num-experts", "4", "--top-k", "2", "--eval-batches", "2", "--lr", "3e-3", "--warmup-steps", "5"]
 CIFAR_TINY = ["--moe", "--num-experts", "4", "--top-k", "2", "--train-size", "384", "--test-size", "100",
               "--batch-size", "16", "--log-interval", "8"]
+RTOL = 1e-5  # fp32
 TRAIN_SCALARS = {"Train/loss", "Train/lr", "Train/loss_scale", "Train/step_time_ms", "Train/samples_per_s",
                  "MoE/l_aux", "MoE/z_loss", "MoE/dropped_fraction", "Val/loss"}
 
@@ -23,6 +24,12 @@ def _events(folder):
     board = EventAccumulator(str(folder), size_guidance={"scalars": 0, "images": 0, "histograms": 0})
     board.Reload()
     return board
+
+
+def _same_curve(resumed: list[tuple[int, float]], straight: list[tuple[int, float]]) -> None:
+    """Same steps, losses within fp32 tolerance (products may round differently in a fresh process)."""
+    assert [step for step, _ in resumed] == [step for step, _ in straight]
+    assert [loss for _, loss in resumed] == pytest.approx([loss for _, loss in straight], rel=RTOL)
 
 
 def _logged_losses(text: str) -> dict[int, float]:
@@ -50,8 +57,8 @@ def test_gpt_trains_logs_every_statistic_and_resumes_exactly(tmp_path, capsys):
     (tmp_path / "ckpt" / "latest").write_text("global_step20")  # as if the run had died after step 20's checkpoint
     resumed = gpt.main(["--resume", "--checkpoint-dir", str(tmp_path / "ckpt")])
     assert [s for s, _ in resumed["history"]["train"]] == list(range(21, 41))
-    assert resumed["history"]["train"] == straight["history"]["train"][20:]
-    assert resumed["history"]["val"] == straight["history"]["val"][1:]
+    _same_curve(resumed["history"]["train"], straight["history"]["train"][20:])
+    _same_curve(resumed["history"]["val"], straight["history"]["val"][1:])
 
     capsys.readouterr()
     gpt.main(["sample", "--checkpoint-dir", str(tmp_path / "ckpt"), "--prompt", "The ", "--new-tokens", "20"])
@@ -69,13 +76,17 @@ def test_cifar_trains_logs_and_resumes_exactly(tmp_path):
 
     (tmp_path / "ckpt" / "latest").write_text("global_step24")  # the end of epoch 1
     resumed = cifar.main(["--resume", "--checkpoint-dir", str(tmp_path / "ckpt"), "--epochs", "2"])
-    assert resumed["history"] == [second] and resumed["global_steps"] == 48
+    assert resumed["global_steps"] == 48 and len(resumed["history"]) == 1
+    again = resumed["history"][0]
+    assert (again["epoch"], again["step"]) == (2, 48)
+    for key in ("train_loss", "test_loss", "accuracy", "per_class"):
+        assert again[key] == pytest.approx(second[key], rel=RTOL), key
 
 
 def _torchrun(module: str, *args: str) -> subprocess.CompletedProcess:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                "-m", module, *args]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=240)
+    done = subprocess.run(command, check=False, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return done
 
@@ -92,7 +103,9 @@ def test_gpt_under_torchrun_with_expert_parallelism_resumes(tmp_path):
 
     (tmp_path / "ckpt" / "latest").write_text("global_step15")
     resumed = _logged_losses(_torchrun("recipes.gpt", "--resume", "--checkpoint-dir", str(tmp_path / "ckpt")).stdout)
-    assert resumed == {s: loss for s, loss in straight.items() if s > 15}
+    expected = {s: loss for s, loss in straight.items() if s > 15}
+    assert resumed.keys() == expected.keys() and list(resumed.values()) == pytest.approx(list(expected.values()),
+                                                                                       abs=1e-4)  # 4 printed digits
 
 
 def test_cifar_under_torchrun_with_expert_parallelism(tmp_path):
@@ -129,7 +142,7 @@ def test_a_bad_engine_config_file_stops_with_one_line(tmp_path):
     config = tmp_path / "engine.json"
     config.write_text('{"zero_optimization": {"stage": 7}}')
     done = subprocess.run([sys.executable, "-m", "recipes.cifar", "--config", str(config), "--train-size", "32"],
-                          capture_output=True, text=True, timeout=120)
+                          check=False, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert done.stderr.strip().splitlines() == [
         "recipes.cifar: error: zero_optimization.stage must be 0, 1, 2 or 3, got 7"], done.stderr
