@@ -90,11 +90,11 @@ def engine_fragments(cfg: CifarConfig) -> dict[str, dict]:
 # Data.
 
 class _ArraysOnly(pickle.Unpickler):
-    """CIFAR's batches are pickled dicts of numpy arrays: admit those and nothing else."""
+    """CIFAR's batches are pickled dicts of numpy arrays and bytes: admit those and nothing else."""
 
     ALLOWED = frozenset({("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "_reconstruct"),
                ("numpy", "ndarray"), ("numpy", "dtype"), ("numpy.core.multiarray", "scalar"),
-               ("numpy._core.multiarray", "scalar")})
+               ("numpy._core.multiarray", "scalar"), ("_codecs", "encode")})  # bytes in protocol-2 pickles
 
     def find_class(self, module, name):
         if (module, name) not in self.ALLOWED:
@@ -103,10 +103,16 @@ class _ArraysOnly(pickle.Unpickler):
 
 
 def _read_batch(path: str) -> tuple[torch.Tensor, torch.Tensor]:
-    with open(path, "rb") as handle:
-        batch = _ArraysOnly(handle, encoding="bytes").load()
-    images = torch.from_numpy(np.asarray(batch[b"data"], dtype=np.uint8).reshape(-1, 3, 32, 32))
-    return images, torch.tensor(batch[b"labels"], dtype=torch.long)
+    try:
+        with open(path, "rb") as handle:
+            batch = _ArraysOnly(handle, encoding="bytes").load()
+        images = torch.from_numpy(np.asarray(batch[b"data"], dtype=np.uint8).reshape(-1, 3, 32, 32))
+        labels = torch.tensor(batch[b"labels"], dtype=torch.long)
+    except (pickle.UnpicklingError, EOFError, ValueError, KeyError, TypeError) as error:
+        raise ValueError(f"{path} is not a CIFAR-10 python batch ({error})") from None
+    if len(labels) != len(images) or (labels.numel() and not 0 <= int(labels.min()) <= int(labels.max()) < 10):
+        raise ValueError(f"{path} is not a CIFAR-10 python batch ({len(images)} images, {len(labels)} labels in 0-9)")
+    return images, labels
 
 
 def load_cifar(data_dir: str):
@@ -211,8 +217,8 @@ def train(cfg: CifarConfig, given: set[str], rank: int, world: int) -> dict:
     torch.manual_seed(cfg.seed)
     try:
         data = load_cifar(cfg.data_dir)
-    except (OSError, ValueError, KeyError, EOFError, pickle.UnpicklingError) as error:
-        raise SetupError(f"cannot read CIFAR-10 from --data-dir {cfg.data_dir}: {error!r}") from None
+    except (OSError, ValueError) as error:
+        raise SetupError(f"cannot read CIFAR-10 from --data-dir {cfg.data_dir}: {error}") from None
     say = print if rank == 0 else (lambda *a, **k: None)
     if data is None:
         where = cfg.data_dir or "(no --data-dir given)"

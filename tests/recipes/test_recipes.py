@@ -1,11 +1,15 @@
 """The GPT and CIFAR recipes at tiny sizes: the loss falls, TensorBoard gets every statistic, resume continues."""
 
+import os
 import pathlib
+import pickle
 import re
 import subprocess
 import sys
 
+import numpy as np
 import pytest
+import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from recipes import cifar, compare_dense_moe, gpt
@@ -81,6 +85,31 @@ def test_cifar_trains_logs_and_resumes_exactly(tmp_path):
     assert (again["epoch"], again["step"]) == (2, 48)
     for key in ("train_loss", "test_loss", "accuracy", "per_class"):
         assert again[key] == pytest.approx(second[key], rel=RTOL), key
+
+
+def _write_cifar_batches(folder, images_per_batch=20):
+    rng = np.random.default_rng(0)
+    for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
+        batch = {b"data": rng.integers(0, 256, (images_per_batch, 3072), dtype=np.uint8),
+                 b"labels": rng.integers(0, 10, images_per_batch).tolist(), b"batch_label": name.encode()}
+        with open(folder / name, "wb") as handle:
+            pickle.dump(batch, handle, protocol=2)
+
+
+def test_cifar_reads_the_python_batches_and_refuses_other_pickles(tmp_path, capsys):
+    _write_cifar_batches(tmp_path)
+    train_x, train_y, test_x, test_y = cifar.load_cifar(str(tmp_path))
+    assert train_x.shape == (100, 3, 32, 32) and train_x.dtype == torch.uint8 and test_y.shape == (20,)
+    result = cifar.main(["--moe", "--num-experts", "2", "--data-dir", str(tmp_path), "--epochs", "1",
+                         "--log-dir", str(tmp_path / "runs")])
+    assert "SYNTHETIC" not in capsys.readouterr().out and result["global_steps"] == 6
+
+    with open(tmp_path / "test_batch", "wb") as handle:
+        pickle.dump({b"data": os.getcwd, b"labels": []}, handle, protocol=2)  # a pickle that names a function
+    with pytest.raises(SystemExit):
+        cifar.main(["--data-dir", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert "test_batch is not a CIFAR-10 python batch" in err and "posix.getcwd" in err
 
 
 def _torchrun(module: str, *args: str) -> subprocess.CompletedProcess:
