@@ -292,6 +292,8 @@ class Engine:
             else contextlib.nullcontext()
         with context:
             output = self.module(*args, **kwargs)
+        if self._fully_shard and not torch.is_grad_enabled():
+            self._reshard()
         if self._stats is not None and self.module.training and torch.is_grad_enabled():
             self._stats.collect()
         if torch.is_grad_enabled():
@@ -299,6 +301,18 @@ class Engine:
                               and t.is_floating_point() else t, output)
         self._timers["forward"] += time.perf_counter() - start
         return output
+
+    def _reshard(self) -> None:
+        """Shard the parameters again after a forward that no backward follows (an evaluation pass).
+
+        fully_shard leaves the root module's parameters gathered after its forward, for the backward;
+        without one, a checkpoint written next sent the ranks' collectives out of step (a hang).
+        """
+        from torch.distributed.fsdp import FSDPModule
+
+        for module in self.module.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> None:
         """loss.backward() with the loss scale and the 1 / gradient_accumulation_steps factor applied."""

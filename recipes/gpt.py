@@ -187,6 +187,7 @@ def train(cfg: TrainConfig, given: set[str], rank: int, world: int) -> dict:
         data = load_text(cfg.data)
         train_tokens, val_tokens = split_tokens(data, cfg.val_fraction, cfg.seq_len)
         model = GPT(model_config(cfg))
+        total_params, active_params = model.parameter_counts()  # before stage 3 shards the parameters
         groups = split_params_into_different_moe_groups_for_optimizer(
             {"params": list(model.parameters()), "name": "dense"})
         engine, *_ = initialize(model, model_parameters=groups, config=engine_config(engine_fragments(cfg), given,
@@ -194,7 +195,6 @@ def train(cfg: TrainConfig, given: set[str], rank: int, world: int) -> dict:
     except (OSError, ValueError) as error:
         raise SetupError(str(error)) from None
     unigram = unigram_baseline(train_tokens, val_tokens)
-    total_params, active_params = model.parameter_counts()
     first_step = 0
     if cfg.resume:
         engine.load_checkpoint(cfg.checkpoint_dir)

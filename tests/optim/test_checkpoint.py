@@ -142,3 +142,23 @@ def test_loss_backward_and_output_backward_equal_engine_backward():
     for name, value in results[0].items():
         assert torch.equal(results[1][name], value), name
         torch.testing.assert_close(results[2][name], value, rtol=1e-3, atol=1e-4, msg=lambda m: f"{name}: {m}")
+
+
+def _evaluate_then_save(rank, world, folder):
+    engine = _engine(2, 3)
+    engine_steps(engine, 1, rank, ACCUMULATION)
+    engine.eval()
+    with torch.no_grad():  # a validation pass leaves no backward to reshard the model
+        engine(batch(9, 0, rank)[0])
+    engine.train()
+    engine.save_checkpoint(folder, tag="after_eval")
+    engine_steps(engine, 1, rank, ACCUMULATION, first_step=1)
+    state = engine.consolidated_state_dict()
+    if rank == 0:
+        assert all(torch.isfinite(v).all() for v in state.values())
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_stage3_saves_after_an_evaluation_pass(tmp_path, world):
+    run_distributed(_evaluate_then_save, world, str(tmp_path), timeout_s=90)
+    assert os.path.isdir(tmp_path / "after_eval")

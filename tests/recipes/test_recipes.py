@@ -13,6 +13,7 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from recipes import cifar, compare_dense_moe, gpt
+from recipes.gpt_model import GPT
 
 CIFAR_JSON = pathlib.Path(cifar.__file__).parent / "configs" / "cifar.json"
 GPT_TINY = ["--n-layer", "2", "--n-embd", "32", "--n-head", "2", "--ffn", "64", "--seq-len", "32", "--batch-size", "8",
@@ -121,10 +122,14 @@ def _torchrun(module: str, *args: str) -> subprocess.CompletedProcess:
 
 
 def test_gpt_under_torchrun_with_expert_parallelism_resumes(tmp_path):
-    args = GPT_TINY + ["--ep-world-size", "2", "--stage", "2", "--steps", "30", "--eval-interval", "15",
+    args = GPT_TINY + ["--ep-world-size", "2", "--stage", "3", "--steps", "30", "--eval-interval", "15",
                        "--log-interval", "5", "--log-dir", str(tmp_path), "--run-name", "run",
                        "--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-interval", "15"]
-    straight = _logged_losses(_torchrun("recipes.gpt", *args).stdout)
+    out = _torchrun("recipes.gpt", *args).stdout
+    total, active = GPT(gpt.model_config(gpt.TrainConfig(**vars(gpt.flag_parser(gpt.TrainConfig, "").parse_args(
+        GPT_TINY))))).parameter_counts()
+    assert f"{total:,} parameters, {active:,} active per token; 2 process(es), ep 2, ZeRO stage 3" in out, out
+    straight = _logged_losses(out)
     assert set(straight) == {5, 10, 15, 20, 25, 30} and straight[30] < straight[5] - 0.3
     board = _events(tmp_path / "run")
     assert TRAIN_SCALARS <= set(board.Tags()["scalars"])
