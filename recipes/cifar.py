@@ -32,9 +32,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from moe import MoE, split_params_into_different_moe_groups_for_optimizer
-from optim import initialize, read_client_state
+from optim import initialize
 from parallel import init_distributed
-from recipes.cli import engine_config, fail, flag_parser, given_flags
+from recipes.cli import engine_config, fail, flag_parser, parse_config
 from recipes.training import Progress, SetupError, all_sum
 
 CLASSES = ("plane", "car", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck")
@@ -282,16 +282,7 @@ def train(cfg: CifarConfig, given: set[str], rank: int, world: int) -> dict:
 
 def checked_config(parser, argv: list[str] | None, world: int) -> tuple[CifarConfig, set[str]]:
     """Parse and validate the flags (on --resume the model flags come from the checkpoint); one line on error."""
-    cfg = CifarConfig(**vars(parser.parse_args(argv)))
-    given = given_flags(parser, argv)
-    if cfg.resume:
-        if not cfg.checkpoint_dir:
-            fail(parser, "--resume needs --checkpoint-dir")
-        try:
-            saved = read_client_state(cfg.checkpoint_dir)["recipe"]
-        except (OSError, RuntimeError, KeyError) as error:
-            fail(parser, f"cannot resume from --checkpoint-dir {cfg.checkpoint_dir}: {error}")
-        cfg = CifarConfig(**{**saved, **{name: getattr(cfg, name) for name in given}, "resume": True})
+    cfg, given = parse_config(parser, CifarConfig, argv)
     if not cfg.run_name:
         cfg.run_name = f"cifar-{'moe' if cfg.moe else 'dense'}-{time.strftime('%Y%m%d-%H%M%S')}"
     if world % cfg.ep_world_size:

@@ -1,4 +1,4 @@
-"""Command-line flags from a recipe's config dataclass, and the engine config the flags fill in.
+"""Command-line flags from a recipe's config dataclass, resuming a run's config, and the engine config.
 
 One `--flag-name` per field, typed by its default; a field's metadata may add argparse settings
 (`help`, `choices`, `nargs`, `type`). A bool field that defaults to False is a plain switch
@@ -10,6 +10,8 @@ import copy
 import dataclasses
 import json
 import sys
+
+from optim import read_client_state
 
 
 class _Parser(argparse.ArgumentParser):
@@ -46,6 +48,26 @@ def _copy_suppressed(action: argparse.Action) -> argparse.Action:
     clone = copy.copy(action)
     clone.default = argparse.SUPPRESS
     return clone
+
+
+def parse_config(parser: argparse.ArgumentParser, config_class, argv: list[str] | None):
+    """The recipe config and the flags written out; with --resume, the checkpoint's config under them.
+
+    A resumed run takes the config saved in the checkpoint's client state (key "recipe"), and the flags
+    written on the command line override it: a run continues as it was set up unless told otherwise.
+    """
+    cfg = config_class(**vars(parser.parse_args(argv)))
+    given = given_flags(parser, argv)
+    if not cfg.resume:
+        return cfg, given
+    if not cfg.checkpoint_dir:
+        fail(parser, "--resume needs --checkpoint-dir")
+    try:
+        saved = read_client_state(cfg.checkpoint_dir)["recipe"]
+        cfg = config_class(**{**saved, **{name: getattr(cfg, name) for name in given}, "resume": True})
+    except (OSError, RuntimeError, KeyError, TypeError) as error:
+        fail(parser, f"cannot resume from --checkpoint-dir {cfg.checkpoint_dir}: {error}")
+    return cfg, given
 
 
 def fail(parser: argparse.ArgumentParser, message: str):

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from moe import split_params_into_different_moe_groups_for_optimizer
 from optim import initialize, read_client_state
 from parallel import init_distributed
-from recipes.cli import engine_config, fail, flag_parser, given_flags
+from recipes.cli import engine_config, fail, flag_parser, parse_config
 from recipes.gpt_model import GPT, GPTConfig
 from recipes.training import Progress, SetupError, all_sum
 
@@ -240,17 +240,7 @@ def train(cfg: TrainConfig, given: set[str], rank: int, world: int) -> dict:
 
 def checked_config(parser, argv: list[str] | None, world: int) -> tuple[TrainConfig, set[str]]:
     """Parse and validate the flags (and on --resume take the model from the checkpoint); one line on error."""
-    args = parser.parse_args(argv)
-    given = given_flags(parser, argv)
-    cfg = TrainConfig(**vars(args))
-    if cfg.resume:
-        if not cfg.checkpoint_dir:
-            fail(parser, "--resume needs --checkpoint-dir")
-        try:
-            saved = read_client_state(cfg.checkpoint_dir)["recipe"]
-        except (OSError, RuntimeError, KeyError) as error:
-            fail(parser, f"cannot resume from --checkpoint-dir {cfg.checkpoint_dir}: {error}")
-        cfg = TrainConfig(**{**saved, **{name: getattr(cfg, name) for name in given}, "resume": True})
+    cfg, given = parse_config(parser, TrainConfig, argv)
     if not cfg.run_name:
         cfg.run_name = f"gpt-{'dense' if cfg.dense else 'moe'}-{time.strftime('%Y%m%d-%H%M%S')}"
     if world % cfg.ep_world_size:

@@ -159,6 +159,7 @@ def test_cifar_under_torchrun_with_expert_parallelism(tmp_path):
     (gpt, ["--stage", "5"], r"argument --stage: invalid choice: 5"),
     (gpt, ["--n-embd", "30", "--n-head", "4"], r"n_embd \(30\) must be divisible by n_head \(4\)"),
     (gpt, ["--resume"], r"--resume needs --checkpoint-dir"),
+    (cifar, ["--resume", "--checkpoint-dir", "/nonexistent"], r"cannot resume from --checkpoint-dir /nonexistent: no "),
     (gpt, ["--config", "/nonexistent.json"], r"--config /nonexistent.json does not exist"),
     (cifar, ["--moe", "--num-experts", "2", "--top-k", "3"], r"--top-k \(3\) must be between 1 and --num-experts \(2\)"),
     (cifar, ["--moe", "--ep-world-size", "2"], r"--ep-world-size \(2\) must divide the number of processes \(1\)"),
