@@ -206,7 +206,6 @@ def train(cfg: TrainConfig, given: set[str], rank: int, world: int) -> dict:
     progress.message(f"model: {'dense' if cfg.dense else 'MoE'}, {total_params:,} parameters, {active_params:,} active "
                      f"per token; {world} process(es), ep {cfg.ep_world_size}, ZeRO stage {engine.stage}, {cfg.dtype}")
     history = {"train": [], "val": [], "tokens_per_s": []}
-    rate = 0.0
     for step in range(first_step + 1, cfg.steps + 1):
         for micro in range(engine.accumulation):
             x, y = train_batch(train_tokens, cfg, step, micro, rank)
