@@ -34,6 +34,7 @@ from parallel import data_meshes, groups_for_name
 __all__ = ["Engine", "initialize"]
 
 _DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+_PICTURE_INTERVAL = 10  # steps between expert-load histograms and heatmaps in TensorBoard (scalars: every step)
 
 
 class _ScaleGrad(torch.autograd.Function):
@@ -461,7 +462,7 @@ class Engine:
             scalars["Train/loss"] = deepspeed["Train/Samples/train_loss"] = loss
         self.monitor.scalars(step, scalars)
         self.monitor.scalars(samples, deepspeed)
-        self.monitor.routing(step, layers)
+        self.monitor.routing(step, layers, pictures=step == 1 or step % _PICTURE_INTERVAL == 0)
 
     # Memory and state.
 

@@ -125,8 +125,9 @@ class Monitor:
         for tag, value in values.items():
             self.writer.add_scalar(tag, value, step)
 
-    def routing(self, step: int, layers: list[LayerStats]) -> None:
-        """l_aux, z-loss and dropped fraction (mean over layers and per layer), load histograms, a heatmap."""
+    def routing(self, step: int, layers: list[LayerStats], pictures: bool = True) -> None:
+        """l_aux, z-loss and dropped fraction (mean over layers and per layer); with `pictures`, also
+        each layer's load histogram and the experts x layers heatmap."""
         if not layers:
             return
         mean = {"MoE/l_aux": sum(s.l_aux for s in layers) / len(layers),
@@ -136,8 +137,10 @@ class Monitor:
         for s in layers:
             self.scalars(step, {f"MoE/{s.name}/l_aux": s.l_aux, f"MoE/{s.name}/dropped_fraction": s.dropped_fraction,
                                 f"MoE/{s.name}/max_load": float(s.load.max())})
-            self._load_histogram(step, s)
-        self.writer.add_image("MoE/expert_load", load_heatmap([s.load for s in layers]), step, dataformats="HWC")
+        if pictures:
+            for s in layers:
+                self._load_histogram(step, s)
+            self.writer.add_image("MoE/expert_load", load_heatmap([s.load for s in layers]), step, dataformats="HWC")
 
     def _load_histogram(self, step: int, s: LayerStats) -> None:
         """The distribution of routed choices over expert ids: one bucket per expert."""
@@ -158,13 +161,14 @@ class Monitor:
         self.writer.close()
 
 
-def load_heatmap(loads: list[torch.Tensor], cell: int = 12) -> torch.Tensor:
+def load_heatmap(loads: list[torch.Tensor], cell: int | None = None) -> torch.Tensor:
     """An RGB uint8 image [layers * cell, max E * cell, 3] of expert loads (1.0 = balanced).
 
     White is balanced, red up to twice the mean load or more, blue down to no load; grey pads layers
-    with fewer experts.
+    with fewer experts. Cells default to 4-32 pixels, about 512 pixels across.
     """
     width = max(len(load) for load in loads)
+    cell = cell or max(4, min(32, 512 // width))
     image = torch.full((len(loads), width, 3), 128, dtype=torch.uint8)
     for row, load in enumerate(loads):
         x = (load.double().clamp(0, 2) - 1).unsqueeze(1)  # in [-1, 1]
