@@ -46,9 +46,10 @@ class Routing:
         return self.expert_idx_SK >= 0
 
     def kept_counts(self) -> torch.Tensor:
-        """int64 kept choices per expert after dropping, shape [E]."""
-        kept = self.expert_idx_SK[self.kept_SK]
-        return torch.bincount(kept, minlength=self.num_experts)
+        """int64 kept choices per expert after dropping, shape [E] (no host sync: counted by scatter-add)."""
+        index = (self.expert_idx_SK + 1).reshape(-1)  # 0 collects the dropped choices
+        counts = torch.zeros(self.num_experts + 1, dtype=torch.int64, device=index.device)
+        return counts.scatter_add_(0, index, torch.ones_like(index))[1:]
 
     def dense(self) -> tuple[torch.Tensor, torch.Tensor]:
         """DeepSpeed's dense form, for tests and interop only: it allocates [S, E, C].

@@ -62,12 +62,14 @@ class StepStats:
         self._reset()
 
     def _reset(self) -> None:
-        self._loss = torch.zeros((), dtype=torch.float64)
+        # Sums stay on the model's device until the step ends: no host sync per forward.
+        self._loss = None
         self._losses = 0
         self._routing = [None] * len(self.layers)  # per layer: [forwards, l_aux, z_loss, *exp_counts, *kept_counts]
 
     def add_loss(self, loss: torch.Tensor) -> None:
-        self._loss += loss.detach().double().cpu()
+        loss = loss.detach().double()
+        self._loss = loss if self._loss is None else self._loss + loss
         self._losses += 1
 
     def collect(self) -> None:
@@ -76,9 +78,9 @@ class StepStats:
             stats = module.routing_stats
             if stats is None:
                 continue
-            row = torch.cat([torch.stack([torch.ones((), dtype=torch.float64), stats["l_aux"].double().cpu(),
-                                          stats["z_loss"].double().cpu()]),
-                             stats["exp_counts"].double().cpu(), stats["kept_counts"].double().cpu()])
+            l_aux = stats["l_aux"].double()
+            row = torch.cat([torch.stack([torch.ones_like(l_aux), l_aux, stats["z_loss"].double()]),
+                             stats["exp_counts"].double(), stats["kept_counts"].double()])
             self._routing[i] = row if self._routing[i] is None else self._routing[i] + row
 
     def reduce(self, group=None) -> tuple[float | None, list[LayerStats]]:
@@ -86,16 +88,19 @@ class StepStats:
 
         Every rank must call it at the same step; layers that did not run on any rank are left out.
         """
+        distributed = dist.is_available() and dist.is_initialized()
+        device = torch.device("cuda", torch.cuda.current_device()) if distributed and \
+            dist.get_backend(group) == "nccl" else torch.device("cpu")
         sizes = [module.num_experts for _, module in self.layers]
-        rows = [r if r is not None else torch.zeros(3 + 2 * e, dtype=torch.float64)
+        loss = self._loss.to(device) if self._loss is not None else torch.zeros((), dtype=torch.float64, device=device)
+        rows = [r.to(device) if r is not None else torch.zeros(3 + 2 * e, dtype=torch.float64, device=device)
                 for r, e in zip(self._routing, sizes)]
-        flat = torch.cat([torch.stack([self._loss, torch.tensor(float(self._losses), dtype=torch.float64)]), *rows])
+        flat = torch.cat([loss.reshape(1), torch.tensor([float(self._losses)], dtype=torch.float64, device=device),
+                          *rows])
         self._reset()
-        if dist.is_available() and dist.is_initialized():
-            device = "cuda" if dist.get_backend(group) == "nccl" else "cpu"
-            reduced = flat.to(device)
-            dist.all_reduce(reduced, group=group)
-            flat = reduced.cpu()
+        if distributed:
+            dist.all_reduce(flat, group=group)
+        flat = flat.cpu()
         loss = float(flat[0] / flat[1]) if flat[1] else None
         layers, offset = [], 2
         for (name, _), e in zip(self.layers, sizes):
