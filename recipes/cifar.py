@@ -255,11 +255,13 @@ def train(cfg: CifarConfig, given: set[str], rank: int, world: int) -> dict:
             engine.backward(loss + cfg.aux_coef * l_aux)
             engine.step()
             losses.append(loss.item())
-            if (i + 1) % cfg.log_interval == 0:
+            last = i + 1 == steps_per_epoch
+            if (i + 1) % cfg.log_interval == 0 or last:
                 rate = progress.rate(engine.global_steps)
-                progress.line(engine.global_steps, rate, epoch=epoch, loss=sum(losses[-cfg.log_interval:]) / cfg.log_interval)
-                if engine.monitor is not None:
-                    engine.monitor.scalars(engine.global_steps, {"Train/images_per_s": rate})
+                recent = losses[-cfg.log_interval:]
+                progress.line(engine.global_steps, rate, epoch=epoch, loss=sum(recent) / len(recent))
+                if engine.monitor is not None:  # each image is one token for the MoE layers
+                    engine.monitor.scalars(engine.global_steps, {"Train/images_per_s": rate, "Train/tokens_per_s": rate})
         train_loss = all_sum(sum(losses), len(losses))
         train_loss = train_loss[0] / max(train_loss[1], 1)
         test_loss, accuracy, per_class = test(engine, test_x, test_y, cfg, rank, world)

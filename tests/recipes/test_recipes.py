@@ -77,7 +77,7 @@ def test_cifar_trains_logs_and_resumes_exactly(tmp_path):
     assert second["train_loss"] < first["train_loss"] and len(second["per_class"]) == 10
     assert 0 <= second["accuracy"] <= 1
     scalars = set(_events(tmp_path / "run").Tags()["scalars"])
-    assert TRAIN_SCALARS | {"Val/accuracy", "Val/accuracy_cat", "Train/images_per_s"} <= scalars, scalars
+    assert TRAIN_SCALARS | {"Val/accuracy", "Val/accuracy_cat", "Train/images_per_s", "Train/tokens_per_s"} <= scalars
 
     (tmp_path / "ckpt" / "latest").write_text("global_step24")  # the end of epoch 1
     resumed = cifar.main(["--resume", "--checkpoint-dir", str(tmp_path / "ckpt"), "--epochs", "2"])
@@ -99,7 +99,7 @@ def _write_cifar_batches(folder, images_per_batch=20):
 
 def test_cifar_reads_the_python_batches_and_refuses_other_pickles(tmp_path, capsys):
     _write_cifar_batches(tmp_path)
-    train_x, train_y, test_x, test_y = cifar.load_cifar(str(tmp_path))
+    train_x, _, _, test_y = cifar.load_cifar(str(tmp_path))
     assert train_x.shape == (100, 3, 32, 32) and train_x.dtype == torch.uint8 and test_y.shape == (20,)
     result = cifar.main(["--moe", "--num-experts", "2", "--data-dir", str(tmp_path), "--epochs", "1",
                          "--log-dir", str(tmp_path / "runs")])
