@@ -26,6 +26,7 @@ def flag_parser(config_class, description: str) -> argparse.ArgumentParser:
     for field in dataclasses.fields(config_class):
         default = field.default_factory() if field.default_factory is not dataclasses.MISSING else field.default
         options = {"default": default, **field.metadata}
+        options["help"] = (options.get("help", "") + " (default: %(default)s)").lstrip()
         if isinstance(default, bool):
             options["action"] = argparse.BooleanOptionalAction if default else "store_true"
         elif "type" not in options:

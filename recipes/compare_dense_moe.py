@@ -24,7 +24,7 @@ from recipes.cli import fail, flag_parser
 
 @dataclass(kw_only=True)
 class CompareConfig:
-    data: str = field(default="", metadata={"help": "as recipes.gpt --data, or 'stdlib' (default: CPython's docs)"})
+    data: str = field(default="", metadata={"help": "as recipes.gpt --data, or 'stdlib'; empty: CPython's docs"})
     steps: int = 1200
     batch_size: int = 32
     seq_len: int = 128

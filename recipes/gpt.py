@@ -40,7 +40,7 @@ from recipes.training import Progress, SetupError, all_sum
 
 @dataclass(kw_only=True)
 class TrainConfig:
-    data: str = field(default="", metadata={"help": "text file or folder (default: CPython's pydoc_data.topics)"})
+    data: str = field(default="", metadata={"help": "text file or folder; empty: CPython's pydoc_data.topics"})
     val_fraction: float = 0.1
     steps: int = 1200
     batch_size: int = field(default=32, metadata={"help": "sequences per micro-batch and process"})
@@ -75,7 +75,7 @@ class TrainConfig:
     eval_batches: int = 16
     log_interval: int = 20
     log_dir: str = "runs"
-    run_name: str = field(default="", metadata={"help": "TensorBoard run folder (default: gpt-moe-<time>)"})
+    run_name: str = field(default="", metadata={"help": "TensorBoard run folder; empty: gpt-<moe|dense>-<time>"})
     checkpoint_dir: str = ""
     checkpoint_interval: int = field(default=0, metadata={"help": "save every n steps (and at the end)"})
     resume: bool = field(default=False, metadata={"help": "continue from the latest checkpoint in --checkpoint-dir"})
