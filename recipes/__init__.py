@@ -1,1 +1,1 @@
-"""Runnable training scripts and benchmarks; nothing imports this package."""
+"""Runnable training scripts (gpt, cifar), the dense-vs-MoE comparison and benchmarks; no other package imports these."""
