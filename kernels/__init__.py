@@ -1,5 +1,6 @@
 """Dispatch ops for the MoE layer: each a torch reference beside the function the layer calls."""
 
+from kernels.backend import sync_checks
 from kernels.grouped_gemm import grouped_mm, grouped_mm_reference, grouped_mm_t, grouped_mm_t_reference
 from kernels.permute import permute, permute_reference
 from kernels.slots import expert_positions, expert_positions_reference, route
@@ -7,5 +8,5 @@ from kernels.unpermute_combine import unpermute_combine, unpermute_combine_refer
 
 __all__ = [
     "grouped_mm", "grouped_mm_reference", "grouped_mm_t", "grouped_mm_t_reference", "expert_positions", "expert_positions_reference", "permute", "permute_reference", "route",
-    "unpermute_combine", "unpermute_combine_reference",
+    "sync_checks", "unpermute_combine", "unpermute_combine_reference",
 ]

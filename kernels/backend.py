@@ -4,6 +4,10 @@ MOE_KERNELS=auto (default): Triton on CUDA tensors when triton imports, torch el
 MOE_KERNELS=triton: always Triton; on CPU tensors this needs TRITON_INTERPRET=1 (the interpreter, for
 tests at small shapes). MOE_KERNELS=torch: never Triton. The kernels cover fp32, bf16 and fp16; float64 (gradient checks)
 always takes the torch path. Triton is imported only when first needed.
+
+MOE_SYNC_CHECKS=1 turns on the input checks that read device values on the host (non-finite gate
+logits, expert ids out of range, equal token counts across an expert-parallel group in the padded
+layout). Each such read stalls a GPU until its queue drains, so they are off by default.
 """
 
 import functools
@@ -11,7 +15,7 @@ import os
 
 import torch
 
-__all__ = ["use_triton"]
+__all__ = ["block_size", "sync_checks", "use_triton"]
 
 CHOICES = ("auto", "triton", "torch")
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -50,3 +54,15 @@ def use_triton(t: torch.Tensor) -> bool:
 def block_size(n_cols: int) -> int:
     """Columns per program: the row width rounded up to a power of two, at most 1024."""
     return min(1024, max(16, 1 << (max(n_cols, 1) - 1).bit_length()))
+
+
+def sync_checks() -> bool:
+    """Whether checks that need a host sync run (MOE_SYNC_CHECKS=1; off by default).
+
+    Raises:
+        ValueError: MOE_SYNC_CHECKS is not 0 or 1.
+    """
+    value = os.environ.get("MOE_SYNC_CHECKS", "0")
+    if value not in ("0", "1"):
+        raise ValueError(f"MOE_SYNC_CHECKS must be 0 or 1, got {value!r}")
+    return value == "1"

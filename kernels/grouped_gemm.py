@@ -3,11 +3,14 @@
     grouped_mm(x_NI, w_LIO, counts)    y[rows_e] = x[rows_e] @ w[e]            -> [N, O]
     grouped_mm_t(a_NP, b_NQ, counts)   out[e]    = a[rows_e]^T @ b[rows_e]     -> [L, P, Q]
 
-Shape legend: N packed rows (expert 0's first), L experts, I/O/P/Q widths; `counts` gives each
-expert's rows. The first form is a layer's forward and input gradient, the second its weight
-gradient. Backends: torch's own grouped GEMM (`torch._grouped_mm`) where it runs for the device and
-dtype; else a Triton kernel on CUDA (tiles scheduled per expert on the host, fp32 accumulation, no
-atomics); else a loop of torch products over slices, which is also the reference.
+Shape legend: N packed rows (expert 0's first), L experts, I/O/P/Q widths, T row tiles; `counts`
+gives each expert's rows, as a list or as an int tensor on the rows' device. With a tensor, the rows
+may end in padding (sum(counts) <= N): padding rows of the output are left unspecified and take no
+part in `grouped_mm_t`. The first form is a layer's forward and input gradient, the second its
+weight gradient. Backends: torch's own grouped GEMM (`torch._grouped_mm`) where it runs for the
+device and dtype; else a Triton kernel on CUDA (fp32 accumulation, no atomics); else a loop of torch
+products over slices, which is also the reference. The torch and Triton backends take the counts on
+the device and never read them on the host (no sync); the loop needs them on the host.
 """
 
 import functools
@@ -30,15 +33,26 @@ def _bounds(counts: list[int]) -> list[tuple[int, int]]:
     return out
 
 
-def grouped_mm_reference(x_NI: torch.Tensor, w_LIO: torch.Tensor, counts: list[int]) -> torch.Tensor:
-    """The specification: one torch product per expert slice."""
-    pieces = [x_NI[start:end] @ w_LIO[e] for e, (start, end) in enumerate(_bounds(counts))]
-    return torch.cat(pieces) if pieces else x_NI.new_zeros(0, w_LIO.shape[2])
+def _host_counts(counts) -> list[int]:
+    """The counts as a list of ints (a host read when they are a tensor)."""
+    return counts.tolist() if isinstance(counts, torch.Tensor) else list(counts)
 
 
-def grouped_mm_t_reference(a_NP: torch.Tensor, b_NQ: torch.Tensor, counts: list[int]) -> torch.Tensor:
+def _padded_output(pieces: list[torch.Tensor], rows: int, width: int, like: torch.Tensor) -> torch.Tensor:
+    """The per-expert results stacked, then zero rows up to `rows` (padding after the counted rows)."""
+    out = torch.cat(pieces) if pieces else like.new_zeros(0, width)
+    return torch.cat([out, out.new_zeros(rows - out.shape[0], width)]) if out.shape[0] < rows else out
+
+
+def grouped_mm_reference(x_NI: torch.Tensor, w_LIO: torch.Tensor, counts) -> torch.Tensor:
+    """The specification: one torch product per expert slice (padding rows: zeros)."""
+    pieces = [x_NI[start:end] @ w_LIO[e] for e, (start, end) in enumerate(_bounds(_host_counts(counts)))]
+    return _padded_output(pieces, x_NI.shape[0], w_LIO.shape[2], x_NI)
+
+
+def grouped_mm_t_reference(a_NP: torch.Tensor, b_NQ: torch.Tensor, counts) -> torch.Tensor:
     """The specification: one torch product per expert slice, transposed on the left."""
-    pieces = [a_NP[start:end].t() @ b_NQ[start:end] for start, end in _bounds(counts)]
+    pieces = [a_NP[start:end].t() @ b_NQ[start:end] for start, end in _bounds(_host_counts(counts))]
     return torch.stack(pieces) if pieces else a_NP.new_zeros(0, a_NP.shape[1], b_NQ.shape[1])
 
 
@@ -49,14 +63,15 @@ def _kernels():
     import triton.language as tl
 
     @triton.jit
-    def _grouped_mm_kernel(x_ptr, w_ptr, y_ptr, tile_expert_ptr, tile_row_ptr, row_end_ptr, n_in, n_out,
+    def _grouped_mm_kernel(x_ptr, w_ptr, y_ptr, tile_expert_ptr, tile_row_ptr, tile_end_ptr, n_in, n_out,
                            stride_xn, stride_wl, stride_wi, stride_wo, stride_yn,
                            BLOCK_N: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_I: tl.constexpr, UPCAST: tl.constexpr):
-        # program (row tile, column tile); each row tile belongs to one expert (scheduled on the host)
+        # program (row tile, column tile); each row tile belongs to one expert (scheduled on the device);
+        # spare tiles of the fixed grid have no rows (tile_end == tile_row) and store nothing
         tile = tl.program_id(0)
         expert = tl.load(tile_expert_ptr + tile).to(tl.int64)
         rows = tl.load(tile_row_ptr + tile).to(tl.int64) + tl.arange(0, BLOCK_N)
-        row_end = tl.load(row_end_ptr + expert)
+        row_end = tl.load(tile_end_ptr + tile)
         cols = tl.program_id(1) * BLOCK_O + tl.arange(0, BLOCK_O)
         acc = tl.zeros([BLOCK_N, BLOCK_O], dtype=tl.float32)
         for start in range(0, n_in, BLOCK_I):
@@ -138,64 +153,111 @@ def _upcast(t: torch.Tensor) -> bool:
     return t.dtype == torch.float32 or not t.is_cuda
 
 
-def _offsets(counts: list[int], device) -> torch.Tensor:
-    return torch.cumsum(torch.tensor(counts, device=device), 0).to(torch.int32)
+def _device_counts(counts, device) -> torch.Tensor:
+    """int64 counts on `device` (a host-to-device copy when given a list)."""
+    if isinstance(counts, torch.Tensor):
+        return counts.to(device=device, dtype=torch.int64)
+    return torch.tensor(list(counts), dtype=torch.int64, device=device)
 
 
-def grouped_mm(x_NI: torch.Tensor, w_LIO: torch.Tensor, counts: list[int]) -> torch.Tensor:
+def _offsets(counts_L: torch.Tensor) -> torch.Tensor:
+    return torch.cumsum(counts_L, 0).to(torch.int32)
+
+
+def _tile_schedule(counts_L: torch.Tensor, num_rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(expert, first row, row end) per row tile, computed on the device for a grid of fixed size.
+
+    Expert e needs ceil(counts[e] / BLOCK) tiles, so ceil(N / BLOCK) + L tiles always suffice; tile t
+    belongs to the expert whose cumulative tile count first exceeds t, and spare tiles get no rows.
+    """
+    L = counts_L.shape[0]
+    num_tiles = -(-num_rows // BLOCK) + L
+    tiles_L = (counts_L + BLOCK - 1) // BLOCK
+    tile_end_L = torch.cumsum(tiles_L, 0)
+    row_end_L = torch.cumsum(counts_L, 0)
+    t_T = torch.arange(num_tiles, device=counts_L.device)
+    expert_T = torch.searchsorted(tile_end_L, t_T, right=True).clamp(max=L - 1)
+    used_T = t_T < tile_end_L[-1]
+    row_T = row_end_L[expert_T] - counts_L[expert_T] + (t_T - (tile_end_L - tiles_L)[expert_T]) * BLOCK
+    row_T = torch.where(used_T, row_T, 0)
+    return expert_T, row_T, torch.where(used_T, row_end_L[expert_T], 0)
+
+
+def grouped_mm(x_NI: torch.Tensor, w_LIO: torch.Tensor, counts) -> torch.Tensor:
     """y[rows_e] = x[rows_e] @ w[e] for every expert e; not differentiable (used inside autograd functions).
 
     Args:
-        x_NI: packed rows, shape [N, I]. w_LIO: shape [L, I, O] (any strides). counts: L ints summing to N.
+        x_NI: packed rows, shape [N, I]. w_LIO: shape [L, I, O] (any strides).
+        counts: rows per expert, L ints summing to N, or an int tensor [L] on x's device summing to at
+            most N (rows after them are padding).
 
     Returns:
         y_NO: shape [N, O], dtype of x_NI.
     """
     backend = _backend(x_NI)
     if backend == "torch" and _torch_fits(x_NI, w_LIO):
-        return torch._grouped_mm(x_NI, w_LIO, offs=_offsets(counts, x_NI.device))
+        return torch._grouped_mm(x_NI, w_LIO, offs=_offsets(_device_counts(counts, x_NI.device)))
     if backend != "triton":
         return grouped_mm_reference(x_NI, w_LIO, counts)
-    x_NI = x_NI.contiguous()
+    return _grouped_mm_triton(x_NI.contiguous(), w_LIO, _device_counts(counts, x_NI.device))
+
+
+@torch.library.custom_op("exactmoe::grouped_mm", mutates_args=())
+def _grouped_mm_triton(x_NI: torch.Tensor, w_LIO: torch.Tensor, counts_L: torch.Tensor) -> torch.Tensor:
+    """Launch: the tile schedule on the device and a grid of fixed size (row tiles x column tiles)."""
     N, I = x_NI.shape
-    O = w_LIO.shape[2]
+    L, O = w_LIO.shape[0], w_LIO.shape[2]
     y_NO = torch.empty(N, O, dtype=x_NI.dtype, device=x_NI.device)
-    tiles = [(e, row) for e, (start, end) in enumerate(_bounds(counts)) for row in range(start, end, BLOCK)]
-    if not tiles or O == 0:
+    if L == 0 or O == 0 or N == 0:
         return y_NO
-    tile_expert = torch.tensor([e for e, _ in tiles], device=x_NI.device)
-    tile_row = torch.tensor([row for _, row in tiles], device=x_NI.device)
-    row_end = _offsets(counts, x_NI.device).to(torch.int64)
-    _kernels()[0][(len(tiles), -(-O // BLOCK))](
-        x_NI, w_LIO, y_NO, tile_expert, tile_row, row_end, I, O, x_NI.stride(0), w_LIO.stride(0), w_LIO.stride(1),
+    tile_expert, tile_row, tile_end = _tile_schedule(counts_L, N)
+    _kernels()[0][(tile_expert.shape[0], -(-O // BLOCK))](
+        x_NI, w_LIO, y_NO, tile_expert, tile_row, tile_end, I, O, x_NI.stride(0), w_LIO.stride(0), w_LIO.stride(1),
         w_LIO.stride(2), y_NO.stride(0), BLOCK_N=BLOCK, BLOCK_O=BLOCK, BLOCK_I=BLOCK, UPCAST=_upcast(x_NI),
     )
     return y_NO
 
 
-def grouped_mm_t(a_NP: torch.Tensor, b_NQ: torch.Tensor, counts: list[int]) -> torch.Tensor:
+@_grouped_mm_triton.register_fake
+def _(x_NI, w_LIO, counts_L):
+    return x_NI.new_empty(x_NI.shape[0], w_LIO.shape[2])
+
+
+def grouped_mm_t(a_NP: torch.Tensor, b_NQ: torch.Tensor, counts) -> torch.Tensor:
     """out[e] = a[rows_e]^T @ b[rows_e] for every expert e (zero for experts without rows).
 
     Args:
-        a_NP: shape [N, P]. b_NQ: shape [N, Q]. counts: L ints summing to N.
+        a_NP: shape [N, P]. b_NQ: shape [N, Q].
+        counts: rows per expert, L ints summing to N, or an int tensor [L] on a's device summing to at
+            most N (padding rows after them are left out).
 
     Returns:
         out_LPQ: shape [L, P, Q], dtype of a_NP.
     """
     backend = _backend(a_NP)
     if backend == "torch" and _torch_fits(a_NP, b_NQ) and a_NP.shape[0] % 8 == 0:
-        return torch._grouped_mm(a_NP.t(), b_NQ, offs=_offsets(counts, a_NP.device))
+        return torch._grouped_mm(a_NP.t(), b_NQ, offs=_offsets(_device_counts(counts, a_NP.device)))
     if backend != "triton":
         return grouped_mm_t_reference(a_NP, b_NQ, counts)
-    a_NP, b_NQ = a_NP.contiguous(), b_NQ.contiguous()
-    P, Q, L = a_NP.shape[1], b_NQ.shape[1], len(counts)
+    return _grouped_mm_t_triton(a_NP.contiguous(), b_NQ.contiguous(), _device_counts(counts, a_NP.device))
+
+
+@torch.library.custom_op("exactmoe::grouped_mm_t", mutates_args=())
+def _grouped_mm_t_triton(a_NP: torch.Tensor, b_NQ: torch.Tensor, counts_L: torch.Tensor) -> torch.Tensor:
+    """Launch: one program per (expert, P tile, Q tile), row bounds read on the device."""
+    P, Q, L = a_NP.shape[1], b_NQ.shape[1], counts_L.shape[0]
     out = torch.zeros(L, P, Q, dtype=a_NP.dtype, device=a_NP.device)
     if L == 0 or P == 0 or Q == 0:
         return out
-    row_end = _offsets(counts, a_NP.device).to(torch.int64)
-    row_start = row_end - torch.tensor(counts, device=a_NP.device)
+    row_end = torch.cumsum(counts_L, 0)
+    row_start = row_end - counts_L
     _kernels()[1][(L, -(-P // BLOCK), -(-Q // BLOCK))](
         a_NP, b_NQ, out, row_start, row_end, P, Q, a_NP.stride(0), b_NQ.stride(0), out.stride(0), out.stride(1),
         BLOCK_P=BLOCK, BLOCK_Q=BLOCK, BLOCK_N=BLOCK, UPCAST=_upcast(a_NP),
     )
     return out
+
+
+@_grouped_mm_t_triton.register_fake
+def _(a_NP, b_NQ, counts_L):
+    return a_NP.new_empty(counts_L.shape[0], a_NP.shape[1], b_NQ.shape[1])

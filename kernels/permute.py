@@ -52,15 +52,21 @@ def _check(x_SM: torch.Tensor, row_SK: torch.Tensor, num_rows: int) -> None:
         raise ValueError(f"num_rows must be >= 0, got {num_rows}")
 
 
+def _scatter_kept(row_SK: torch.Tensor, values_P: torch.Tensor, num_rows: int, fill) -> torch.Tensor:
+    """out[row_SK[p]] = values_P[p] for kept choices, `fill` elsewhere; shape [N].
+
+    Dropped choices write to a spare row N that is cut off: a scatter of fixed size, where boolean
+    indexing would sync with the host to learn how many choices were kept.
+    """
+    rows_P = row_SK.reshape(-1)
+    out = torch.full((num_rows + 1,), fill, dtype=values_P.dtype, device=row_SK.device)
+    return out.scatter_(0, torch.where(rows_P >= 0, rows_P, num_rows), values_P)[:num_rows]
+
+
 def _source_tokens(row_SK: torch.Tensor, num_rows: int) -> torch.Tensor:
     """Inverse map: the token each buffer row comes from, -1 for empty rows; shape [N]."""
-    K = row_SK.shape[1]
-    rows_P = row_SK.reshape(-1)
-    kept_P = rows_P >= 0
-    token_N = torch.full((num_rows,), -1, dtype=torch.int64, device=row_SK.device)
-    token_P = torch.arange(rows_P.numel(), device=row_SK.device) // K
-    token_N[rows_P[kept_P]] = token_P[kept_P]
-    return token_N
+    token_P = torch.arange(row_SK.numel(), device=row_SK.device) // max(row_SK.shape[1], 1)
+    return _scatter_kept(row_SK, token_P, num_rows, -1)
 
 
 @functools.cache
@@ -88,8 +94,13 @@ def _permute_kernel():
     return _permute_kernel
 
 
-def _gather_rows_triton(x_SM, token_N, scale_N) -> torch.Tensor:
-    """Launch: checks, output allocation and the grid (rows x column blocks)."""
+@torch.library.custom_op("exactmoe::gather_rows", mutates_args=())
+def _gather_rows_triton(x_SM: torch.Tensor, token_N: torch.Tensor, scale_N: torch.Tensor | None) -> torch.Tensor:
+    """Launch: checks, output allocation and the grid (rows x column blocks).
+
+    A torch custom op (as are the other launchers), so fake and meta tensors and torch.compile see a
+    shape-only implementation instead of tracing into Triton.
+    """
     assert x_SM.stride(1) == 1 and token_N.is_contiguous()
     num_rows, n_cols = token_N.shape[0], x_SM.shape[1]
     out_NM = torch.empty(num_rows, n_cols, dtype=x_SM.dtype, device=x_SM.device)
@@ -105,6 +116,11 @@ def _gather_rows_triton(x_SM, token_N, scale_N) -> torch.Tensor:
     return out_NM
 
 
+@_gather_rows_triton.register_fake
+def _(x_SM, token_N, scale_N):
+    return x_SM.new_empty(token_N.shape[0], x_SM.shape[1])
+
+
 def _gather_rows(x_SM: torch.Tensor, token_N: torch.Tensor, scale_N: torch.Tensor | None) -> torch.Tensor:
     """buffer[n] = scale[n] * x[token[n]], zero where token[n] == -1 (Triton or torch)."""
     x_SM = x_SM.contiguous()
@@ -116,8 +132,10 @@ def _gather_rows(x_SM: torch.Tensor, token_N: torch.Tensor, scale_N: torch.Tenso
     buffer_NM = torch.index_select(x_SM, 0, token_N.clamp(min=0), out=out)
     if scale_N is not None:
         buffer_NM.mul_(scale_N.to(buffer_NM.dtype).unsqueeze(1))
-    empty_N = (token_N < 0).nonzero().squeeze(1)
-    if empty_N.numel():  # the padded layout: rows no choice points at are zero
+    if buffer_NM.device.type != "cpu":  # rows no choice points at are zero (a mask: no host sync)
+        return buffer_NM.masked_fill_((token_N < 0).unsqueeze(1), 0)
+    empty_N = (token_N < 0).nonzero().squeeze(1)  # on the CPU a host read costs nothing and skips a pass
+    if empty_N.numel():
         buffer_NM.index_fill_(0, empty_N, 0)
     return buffer_NM
 

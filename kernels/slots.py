@@ -15,7 +15,7 @@ import functools
 
 import torch
 
-from kernels.backend import use_triton
+from kernels.backend import sync_checks, use_triton
 
 __all__ = ["expert_positions", "expert_positions_reference", "route"]
 
@@ -33,12 +33,18 @@ def expert_positions_reference(expert_P: torch.Tensor, num_experts: int) -> tupl
     routed = expert_P >= 0
     bucket_P = torch.where(routed, expert_P, num_experts)
     order = torch.argsort(bucket_P, stable=True)
-    counts = torch.bincount(bucket_P, minlength=num_experts + 1)
+    counts = _count(bucket_P, num_experts + 1)
     starts = torch.cumsum(counts, 0) - counts
     ranks_sorted = torch.arange(expert_P.numel(), device=expert_P.device) - starts[bucket_P[order]]
     position_P = torch.empty_like(ranks_sorted)
     position_P[order] = ranks_sorted
     return counts[:num_experts], torch.where(routed, position_P, -1)
+
+
+def _count(bucket_P: torch.Tensor, num_buckets: int) -> torch.Tensor:
+    """int64 occurrences of each bucket id in [0, num_buckets); a scatter-add, so no host sync (bincount syncs on CUDA)."""
+    counts = torch.zeros(num_buckets, dtype=torch.int64, device=bucket_P.device)
+    return counts.scatter_add_(0, bucket_P, torch.ones_like(bucket_P))
 
 
 @functools.cache
@@ -75,20 +81,31 @@ def expert_positions(expert_P: torch.Tensor, num_experts: int) -> tuple[torch.Te
         counts_E: int64, shape [E]; position_P: int64, shape [P], -1 where expert_P is -1.
 
     Raises:
-        ValueError: if expert_P is not a 1-D int64 tensor or holds an expert >= num_experts.
+        ValueError: if expert_P is not a 1-D int64 tensor, or (with MOE_SYNC_CHECKS=1, see kernels.backend)
+            holds an expert >= num_experts.
     """
     if expert_P.dim() != 1 or expert_P.dtype != torch.int64:
         raise ValueError(f"expert_P must be a 1-D int64 tensor, got {expert_P.dtype} {list(expert_P.shape)}")
-    if expert_P.numel() and int(expert_P.max()) >= num_experts:
+    if sync_checks() and expert_P.numel() and int(expert_P.max()) >= num_experts:
         raise ValueError(f"expert_P holds expert {int(expert_P.max())}, but num_experts is {num_experts}")
     if not use_triton(torch.empty(0, device=expert_P.device)):
         return expert_positions_reference(expert_P, num_experts)
-    expert_P = expert_P.contiguous()
+    return _expert_positions_triton(expert_P.contiguous(), num_experts)
+
+
+@torch.library.custom_op("exactmoe::expert_positions", mutates_args=())
+def _expert_positions_triton(expert_P: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch: one program per expert (a torch custom op, so fake and meta tensors get shapes only)."""
     position_P = torch.full_like(expert_P, -1)
     counts_E = torch.zeros(num_experts, dtype=torch.int64, device=expert_P.device)
     if num_experts:
         _expert_positions_kernel()[(num_experts,)](expert_P, position_P, counts_E, expert_P.numel(), BLOCK_P=1024)
     return counts_E, position_P
+
+
+@_expert_positions_triton.register_fake
+def _(expert_P, num_experts):
+    return expert_P.new_empty(num_experts), torch.empty_like(expert_P)
 
 
 def route(

@@ -15,7 +15,7 @@ import torch
 
 from kernels import workspace
 from kernels.backend import block_size, use_triton
-from kernels.permute import _gather_rows, _gather_rows_triton, _source_tokens
+from kernels.permute import _gather_rows, _gather_rows_triton, _scatter_kept, _source_tokens
 
 __all__ = ["unpermute_combine", "unpermute_combine_reference"]
 
@@ -99,8 +99,9 @@ def _triton_kernels():
     return _unpermute_combine_kernel, _row_dot_kernel
 
 
-def _combine_rows_triton(buffer_NM, row_SK, weight_SK) -> torch.Tensor:
-    """Launch: output allocation and the grid (tokens x column blocks)."""
+@torch.library.custom_op("exactmoe::combine_rows", mutates_args=())
+def _combine_rows_triton(buffer_NM: torch.Tensor, row_SK: torch.Tensor, weight_SK: torch.Tensor) -> torch.Tensor:
+    """Launch: output allocation and the grid (tokens x column blocks); a custom op like the others."""
     S, K = row_SK.shape
     n_cols = buffer_NM.shape[1]
     out_SM = torch.empty(S, n_cols, dtype=buffer_NM.dtype, device=buffer_NM.device)
@@ -116,7 +117,13 @@ def _combine_rows_triton(buffer_NM, row_SK, weight_SK) -> torch.Tensor:
     return out_SM
 
 
-def _row_dots_triton(grad_SM, buffer_NM, row_SK) -> torch.Tensor:
+@_combine_rows_triton.register_fake
+def _(buffer_NM, row_SK, weight_SK):
+    return buffer_NM.new_empty(row_SK.shape[0], buffer_NM.shape[1])
+
+
+@torch.library.custom_op("exactmoe::row_dots", mutates_args=())
+def _row_dots_triton(grad_SM: torch.Tensor, buffer_NM: torch.Tensor, row_SK: torch.Tensor) -> torch.Tensor:
     """Launch: one program per (token, choice)."""
     S, K = row_SK.shape
     dots_SK = torch.zeros(S, K, dtype=torch.float32, device=buffer_NM.device)
@@ -128,6 +135,11 @@ def _row_dots_triton(grad_SM, buffer_NM, row_SK) -> torch.Tensor:
         BLOCK_M=block_size(n_cols),
     )
     return dots_SK
+
+
+@_row_dots_triton.register_fake
+def _(grad_SM, buffer_NM, row_SK):
+    return grad_SM.new_empty(row_SK.shape, dtype=torch.float32)
 
 
 def _combine_rows(buffer_NM: torch.Tensor, row_SK: torch.Tensor, weight_SK: torch.Tensor) -> torch.Tensor:
@@ -168,12 +180,10 @@ class _UnpermuteCombine(torch.autograd.Function):
         # 2. the weight gradient: <grad_out[s], buffer[row(s, j)]> in fp32, 0 for dropped choices
         buffer_NM, row_SK, weight_SK = ctx.saved_tensors
         grad_SM = grad_SM.to(buffer_NM.dtype).contiguous()
-        rows_P = row_SK.reshape(-1)
-        kept_P = rows_P >= 0
+        num_rows = buffer_NM.shape[0]
         acc_dtype = _accumulation_dtype(buffer_NM.dtype)
-        token_N = _source_tokens(row_SK, buffer_NM.shape[0])
-        scale_N = torch.zeros(buffer_NM.shape[0], dtype=acc_dtype, device=rows_P.device)
-        scale_N[rows_P[kept_P]] = weight_SK.reshape(-1)[kept_P].to(acc_dtype)
+        token_N = _source_tokens(row_SK, num_rows)
+        scale_N = _scatter_kept(row_SK, weight_SK.reshape(-1).to(acc_dtype), num_rows, 0.0)
         if use_triton(buffer_NM):
             grad_buffer = _gather_rows_triton(grad_SM, token_N, scale_N) if ctx.needs_input_grad[0] else None
             grad_weight = _row_dots_triton(grad_SM, buffer_NM, row_SK) if ctx.needs_input_grad[2] else None
@@ -183,9 +193,9 @@ class _UnpermuteCombine(torch.autograd.Function):
         if ctx.needs_input_grad[2]:
             # a batched product of rows, so no [N, M] temporary is allocated
             dots_N = torch.bmm(g_NM.to(acc_dtype).unsqueeze(1), buffer_NM.to(acc_dtype).unsqueeze(2)).view(-1)
-            grad_P = torch.zeros(rows_P.shape, dtype=acc_dtype, device=rows_P.device)
-            grad_P[kept_P] = dots_N[rows_P[kept_P]]
-            grad_weight = grad_P.view(row_SK.shape).to(weight_SK.dtype)
+            dots_N1 = torch.cat([dots_N, dots_N.new_zeros(1)])  # row N: the dropped choices' zero
+            grad_SK = dots_N1[torch.where(row_SK >= 0, row_SK, num_rows)]
+            grad_weight = grad_SK.to(weight_SK.dtype)
         grad_buffer = g_NM.mul_(scale_N.to(g_NM.dtype).unsqueeze(1)) if ctx.needs_input_grad[0] else None
         return grad_buffer, None, grad_weight
 

@@ -11,11 +11,37 @@ one chunk per destination rank.
   expert) are regrouped by local expert for the experts and put back in source order afterwards.
 """
 
-import torch
+from dataclasses import dataclass
 
+import torch
+import torch.distributed as dist
+
+from kernels import sync_checks
 from parallel import all_to_all, exchange_counts
 
-__all__ = ["run_experts_padded", "run_experts_packed"]
+__all__ = ["Exchange", "check_equal_tokens", "plan_exchange", "run_experts_padded", "run_experts_packed"]
+
+
+def check_equal_tokens(num_tokens: int, device: torch.device, ep_group) -> None:
+    """Fail on every rank when the group's ranks route different token counts in the capacity layout.
+
+    Capacity is computed from the local token count, so unequal counts would exchange chunks of
+    different sizes. The check reads the group's counts on the host: always on the CPU (no device
+    to stall), and with MOE_SYNC_CHECKS=1 elsewhere.
+
+    Raises:
+        ValueError: the counts differ, naming the smallest and largest.
+    """
+    if device.type != "cpu" and not sync_checks():
+        return
+    bounds = torch.tensor([num_tokens, -num_tokens], dtype=torch.int64, device=device)
+    dist.all_reduce(bounds, op=dist.ReduceOp.MAX, group=ep_group)
+    largest, smallest = bounds.tolist()[0], -bounds.tolist()[1]
+    if largest != smallest:
+        raise ValueError(
+            f"the padded (capacity) layout needs the same number of tokens on every rank of the expert-parallel "
+            f"group, got between {smallest} and {largest}; send equal batches or use dropless=True"
+        )
 
 
 def run_experts_padded(experts, buffer_NM: torch.Tensor, capacity: int, ep_size: int, ep_group) -> torch.Tensor:
@@ -28,18 +54,45 @@ def run_experts_padded(experts, buffer_NM: torch.Tensor, capacity: int, ep_size:
     return all_to_all(back, ep_group)
 
 
-def run_experts_packed(
-    experts, buffer_NM: torch.Tensor, counts: list[int], ep_size: int, ep_group, grouped_gemm: bool = False
-) -> torch.Tensor:
-    """Experts over the group for packed rows; buffer_NM holds counts[g] rows per global expert g."""
-    L = experts.num_local_experts
-    send_RL = torch.tensor(counts, dtype=torch.int64).view(ep_size, L)
+@dataclass(frozen=True)
+class Exchange:
+    """Row counts of one packed exchange: known on the host after the layer's one sync.
+
+    Args:
+        send: rows this rank sends to each EP rank.
+        recv: rows this rank receives from each EP rank.
+        recv_RL: int64 rows from rank r for local expert l, shape [R, L], on the device.
+        local_counts: rows per local expert after regrouping (sums of recv_RL over r).
+    """
+
+    send: list[int]
+    recv: list[int]
+    recv_RL: torch.Tensor
+    local_counts: list[int]
+
+
+def plan_exchange(counts_E: torch.Tensor, ep_size: int, ep_group) -> Exchange:
+    """Exchange the kept counts per expert, then read what the row exchange needs: one host sync.
+
+    Args:
+        counts_E: int64 kept rows per global expert on this rank, shape [E], on the device.
+    """
+    send_RL = counts_E.view(ep_size, -1)
     recv_RL = exchange_counts(send_RL, ep_group)  # recv_RL[r, l]: rows rank r sends to local expert l
-    input_splits, output_splits = send_RL.sum(1).tolist(), recv_RL.sum(1).tolist()
-    received = all_to_all(buffer_NM, ep_group, output_splits, input_splits)
-    local_expert = torch.repeat_interleave(torch.arange(L).repeat(ep_size), recv_RL.reshape(-1))
-    by_expert = torch.argsort(local_expert, stable=True).to(buffer_NM.device)  # source order -> expert order
-    y = experts(received.index_select(0, by_expert), recv_RL.sum(0).tolist(), grouped_gemm=grouped_gemm)
+    host = torch.cat([send_RL.sum(1), recv_RL.sum(1), recv_RL.sum(0)]).tolist()  # the one host sync
+    return Exchange(host[:ep_size], host[ep_size:2 * ep_size], recv_RL, host[2 * ep_size:])
+
+
+def run_experts_packed(experts, buffer_NM: torch.Tensor, exchange: Exchange, ep_group,
+                       grouped_gemm: bool = False) -> torch.Tensor:
+    """Experts over the group for packed rows; buffer_NM holds the kept rows sorted by global expert."""
+    L, device = experts.num_local_experts, buffer_NM.device
+    received = all_to_all(buffer_NM, ep_group, exchange.recv, exchange.send)
+    ranks = exchange.recv_RL.shape[0]
+    local_expert = torch.repeat_interleave(torch.arange(L, device=device).repeat(ranks), exchange.recv_RL.reshape(-1),
+                                           output_size=received.shape[0])
+    by_expert = torch.argsort(local_expert, stable=True)  # source order -> expert order
+    y = experts(received.index_select(0, by_expert), exchange.local_counts, grouped_gemm=grouped_gemm)
     in_source_order = torch.empty_like(by_expert)
-    in_source_order[by_expert] = torch.arange(by_expert.numel(), device=by_expert.device)
-    return all_to_all(y.index_select(0, in_source_order), ep_group, input_splits, output_splits)
+    in_source_order[by_expert] = torch.arange(by_expert.numel(), device=device)
+    return all_to_all(y.index_select(0, in_source_order), ep_group, exchange.send, exchange.recv)

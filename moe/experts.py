@@ -144,7 +144,8 @@ class Experts(nn.Module):
         Args:
             buffer_NM: rows sorted by expert, shape [N, M]: packed (N = sum(counts)) when counts is
                 given, else the padded capacity buffer (N = L * C).
-            counts: rows per local expert for the packed layout, a list of L ints.
+            counts: rows per local expert for the packed layout, a list of L ints; for stacked experts
+                with grouped_gemm also an int tensor [L] on the device, the rows after them padding.
             grouped_gemm: for stacked experts on packed rows, one grouped GEMM per layer.
 
         Returns:
@@ -159,7 +160,10 @@ class Experts(nn.Module):
             if self.stacked:
                 return self._padded(buffer_NM)
             counts = [buffer_NM.shape[0] // self.num_local_experts] * self.num_local_experts
-        if len(counts) != self.num_local_experts or sum(counts) != buffer_NM.shape[0]:
+        if isinstance(counts, torch.Tensor):
+            if not (self.stacked and grouped_gemm):
+                raise ValueError("counts on the device need stacked experts and grouped_gemm=True; pass a list")
+        elif len(counts) != self.num_local_experts or sum(counts) != buffer_NM.shape[0]:
             raise ValueError(f"counts {counts} must have {self.num_local_experts} entries summing to {buffer_NM.shape[0]}")
         if self.stacked:
             weights = (self.weight1, self.bias1, self.weight2, self.bias2)

@@ -9,6 +9,7 @@ largest per-expert count (max-reduced over the expert-parallel group) and nothin
 DeepSpeed leaves an order open (ties, which tokens keep their slot), ours is first-come by token index.
 """
 
+import contextlib
 import math
 from dataclasses import dataclass
 
@@ -16,6 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from kernels import sync_checks
 from moe.routing import Routing, assign_slots
 
 __all__ = ["TopKGate", "TopKGateConfig", "top1gating", "top2gating", "topkgating"]
@@ -37,32 +39,48 @@ def _check_logits(logits: torch.Tensor, k: int) -> torch.Tensor:
     if not 1 <= k <= num_experts:
         raise ValueError(f"k ({k}) must be between 1 and num_experts ({num_experts})")
     logits = logits.to(_gate_dtype(logits.dtype))
-    if not bool(torch.isfinite(logits).all()):
+    if sync_checks() and not bool(torch.isfinite(logits).all()):  # a host sync: opt-in (kernels.backend)
         raise ValueError("logits contain non-finite values (inf or nan); check the gate input")
     return logits
 
 
+def _largest_count(exp_counts: torch.Tensor, ep_group) -> int:
+    """The dropless capacity: the largest expert count, max-reduced over ep_group (a host sync)."""
+    largest = exp_counts.max().reshape(1) if exp_counts.numel() else exp_counts.new_zeros(1)
+    if ep_group is not None:
+        dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=ep_group)
+    return int(largest.item())
+
+
 def _capacity(
     logits: torch.Tensor, k: int, capacity_factor: float, min_capacity: int, drop_tokens: bool,
-    exp_counts: torch.Tensor, ep_group,
-) -> int:
-    """Slots per expert: from the capacity factor when dropping, else the largest count (over ep_group)."""
+) -> int | None:
+    """Slots per expert from the capacity factor when dropping; None without dropping (see `_resolver`)."""
     num_tokens, num_experts = logits.shape
     if capacity_factor <= 0:
         raise ValueError(f"capacity_factor must be > 0, got {capacity_factor}")
     if min_capacity < 0:
         raise ValueError(f"min_capacity must be >= 0, got {min_capacity}")
     if not drop_tokens:
-        largest = exp_counts.max().reshape(1) if exp_counts.numel() else exp_counts.new_zeros(1)
-        if ep_group is not None:
-            dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=ep_group)
-        return int(largest.item())
+        return None
     if num_tokens < min_capacity:
         raise ValueError(
             f"the number of tokens ({num_tokens}) must be >= min_capacity ({min_capacity}) when dropping "
             "tokens; lower min_capacity or send more tokens"
         )
     return max(math.ceil(num_tokens / num_experts * capacity_factor * k), min_capacity)
+
+
+def _resolver(capacity: int | None, exp_counts: torch.Tensor, ep_group):
+    """What Routing.capacity calls: the fixed capacity, or the dropless one found on demand."""
+    if capacity is not None:
+        return lambda: capacity
+    return lambda: _largest_count(exp_counts, ep_group)
+
+
+def _slots_capacity(capacity: int | None, logits: torch.Tensor, k: int) -> int:
+    """The capacity slot assignment uses: without dropping every choice fits (S * k slots)."""
+    return capacity if capacity is not None else logits.shape[0] * k
 
 
 def _gumbel_like(t: torch.Tensor) -> torch.Tensor:
@@ -81,7 +99,10 @@ def _mask_unused(choice_S: torch.Tensor, used_token: torch.Tensor | None) -> tor
 
 
 def _counts(expert: torch.Tensor, num_experts: int) -> torch.Tensor:
-    return torch.bincount(expert[expert >= 0], minlength=num_experts)
+    """int64 choices per expert, -1 not counted; a scatter-add (a boolean mask or bincount would sync)."""
+    index = expert.reshape(-1) + 1
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=expert.device)
+    return counts.scatter_add_(0, index, torch.ones_like(index))[1:]
 
 
 def _balance_loss(gates_SE: torch.Tensor, counts_E: torch.Tensor, k: int) -> torch.Tensor:
@@ -98,7 +119,7 @@ def _z_loss(logits_SE: torch.Tensor) -> torch.Tensor:
 
 
 def _plan(
-    gates_SE, expert_SK, slot_SK, capacity, l_aux, exp_counts, z_loss, renormalize: bool
+    gates_SE, expert_SK, slot_SK, resolve_capacity, l_aux, exp_counts, z_loss, renormalize: bool
 ) -> Routing:
     """Mask dropped choices and read their weights from the gates (renormalised for top-2 and top-k)."""
     kept_SK = slot_SK >= 0
@@ -109,7 +130,7 @@ def _plan(
         weight_SK = weight_SK / denom_S1
     return Routing(
         expert_idx_SK=expert_SK, slot_SK=torch.where(kept_SK, slot_SK, -1), weight_SK=weight_SK,
-        capacity=capacity, num_experts=gates_SE.shape[1], l_aux=l_aux,
+        resolve_capacity=resolve_capacity, num_experts=gates_SE.shape[1], l_aux=l_aux,
         exp_counts=exp_counts.detach(), z_loss=z_loss,
     )
 
@@ -134,7 +155,8 @@ def top1gating(
         Routing with K = 1; weights are the gate probabilities (not renormalised).
 
     Raises:
-        ValueError: bad shapes, non-finite logits, an unknown policy, or S < min_capacity when dropping.
+        ValueError: bad shapes, an unknown policy, S < min_capacity when dropping, or non-finite logits
+            (that check reads a device value, so it runs only with MOE_SYNC_CHECKS=1; see kernels.backend).
     """
     _check_policy(noisy_gate_policy)
     logits = _check_logits(logits, 1)
@@ -143,11 +165,12 @@ def top1gating(
     choice_S = _mask_unused(torch.argmax(scores, dim=1), used_token)
     num_experts = logits.shape[1]
     exp_counts = _counts(choice_S, num_experts)
-    capacity = _capacity(logits, 1, capacity_factor, min_capacity, drop_tokens, exp_counts, ep_group)
+    capacity = _capacity(logits, 1, capacity_factor, min_capacity, drop_tokens)
     priority = torch.rand(choice_S.shape, device=logits.device) if (use_rts and drop_tokens) else None
-    slot_S = assign_slots(choice_S, num_experts, capacity, priority)
+    slot_S = assign_slots(choice_S, num_experts, _slots_capacity(capacity, logits, 1), priority)
     l_aux = _balance_loss(gates_SE, exp_counts, 1)
-    return _plan(gates_SE, choice_S[:, None], slot_S[:, None], capacity, l_aux, exp_counts, _z_loss(logits), False)
+    return _plan(gates_SE, choice_S[:, None], slot_S[:, None], _resolver(capacity, exp_counts, ep_group), l_aux,
+                 exp_counts, _z_loss(logits), False)
 
 
 def top2gating(
@@ -183,10 +206,11 @@ def top2gating(
         used_S = _mask_unused(first_S, used_token) >= 0
         expert_SK = torch.where(used_S[:, None], expert_SK, -1)
     exp_counts = _counts(expert_SK.reshape(-1), num_experts)
-    capacity = _capacity(logits, 2, capacity_factor, min_capacity, drop_tokens, exp_counts, ep_group)
-    slot_SK = assign_slots(expert_SK.t().reshape(-1), num_experts, capacity).view(2, S).t()
+    capacity = _capacity(logits, 2, capacity_factor, min_capacity, drop_tokens)
+    slot_SK = assign_slots(expert_SK.t().reshape(-1), num_experts, _slots_capacity(capacity, logits, 2)).view(2, S).t()
     l_aux = _balance_loss(gates_SE, _counts(expert_SK[:, 0], num_experts), 1)
-    return _plan(gates_SE, expert_SK, slot_SK, capacity, l_aux, exp_counts, _z_loss(logits), True)
+    return _plan(gates_SE, expert_SK, slot_SK, _resolver(capacity, exp_counts, ep_group), l_aux, exp_counts,
+                 _z_loss(logits), True)
 
 
 def topkgating(
@@ -219,11 +243,19 @@ def topkgating(
         used_S = _mask_unused(expert_SK[:, 0], used_token) >= 0
         expert_SK = torch.where(used_S[:, None], expert_SK, -1)
     exp_counts = _counts(expert_SK.reshape(-1), num_experts)
-    capacity = _capacity(logits, k, capacity_factor, min_capacity, drop_tokens, exp_counts, ep_group)
+    capacity = _capacity(logits, k, capacity_factor, min_capacity, drop_tokens)
     priority = top_gate_SK.reshape(-1) if (drop_policy == "probs" and drop_tokens) else None
-    slot_SK = assign_slots(expert_SK.reshape(-1), num_experts, capacity, priority).view(S, k)
+    slot_SK = assign_slots(expert_SK.reshape(-1), num_experts, _slots_capacity(capacity, logits, k), priority).view(S, k)
     l_aux = _balance_loss(gates_SE, exp_counts, k)
-    return _plan(gates_SE, expert_SK, slot_SK, capacity, l_aux, exp_counts, _z_loss(logits), True)
+    return _plan(gates_SE, expert_SK, slot_SK, _resolver(capacity, exp_counts, ep_group), l_aux, exp_counts,
+                 _z_loss(logits), True)
+
+
+def _no_autocast(device: torch.device):
+    """A context that turns autocast off for `device` (nothing to turn off where autocast does not exist)."""
+    if device.type in ("cpu", "cuda", "xpu", "mps", "hpu") and torch.is_autocast_enabled(device.type):
+        return torch.autocast(device.type, enabled=False)
+    return contextlib.nullcontext()
 
 
 def _check_policy(noisy_gate_policy) -> None:
@@ -328,7 +360,8 @@ class TopKGate(torch.nn.Module):
         x_SM = x_SM.to(_gate_dtype(x_SM.dtype))
         if self.training and cfg.noisy_gate_policy == "Jitter":
             x_SM = x_SM * torch.empty_like(x_SM).uniform_(1.0 - JITTER_EPS, 1.0 + JITTER_EPS)
-        logits = F.linear(x_SM, self.wg.weight.to(x_SM.dtype))
+        with _no_autocast(x_SM.device):  # the router stays fp32 under the model's autocast
+            logits = F.linear(x_SM, self.wg.weight.to(x_SM.dtype))
         capacity_factor = cfg.capacity_factor if self.training else cfg.eval_capacity_factor
         if cfg.k == 1:
             return top1gating(

@@ -216,18 +216,22 @@ class _GroupedGemmMLP(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x_NM, weight1, bias1, weight2, bias2, counts, activation):
+        # counts: a list, or an int tensor on the device (then rows after sum(counts) are padding);
+        # nothing here reads the counts on the host
         name, approximate = activation
-        counts_L = torch.tensor(counts, device=x_NM.device)
-        expert_N = torch.repeat_interleave(torch.arange(len(counts), device=x_NM.device), counts_L)
-        h_NH = grouped_mm(x_NM, weight1.transpose(1, 2), counts)
+        counts_L = counts if isinstance(counts, torch.Tensor) else torch.tensor(counts, device=x_NM.device)
+        # the expert of every row, padding rows counted with the last expert (their values are never read)
+        row_N = torch.arange(x_NM.shape[0], device=x_NM.device)
+        expert_N = torch.searchsorted(torch.cumsum(counts_L, 0), row_N, right=True).clamp(max=weight1.shape[0] - 1)
+        h_NH = grouped_mm(x_NM, weight1.transpose(1, 2), counts_L)
         if bias1 is not None:
             h_NH += bias1[expert_N]
         a_NH = torch.empty_like(h_NH)
         _activate(name, approximate, h_NH, a_NH)
-        y_NM = grouped_mm(a_NH, weight2.transpose(1, 2), counts)
+        y_NM = grouped_mm(a_NH, weight2.transpose(1, 2), counts_L)
         if bias2 is not None:
             y_NM += bias2[expert_N]
-        ctx.counts, ctx.activation, ctx.has_bias = counts, activation, bias1 is not None
+        ctx.activation, ctx.has_bias = activation, bias1 is not None
         ctx.save_for_backward(x_NM, weight1, weight2, h_NH, a_NH, counts_L)
         return y_NM
 
@@ -237,15 +241,17 @@ class _GroupedGemmMLP(torch.autograd.Function):
         x_NM, weight1, weight2, h_NH, a_NH, counts_L = ctx.saved_tensors
         name, approximate = ctx.activation
         grad_y_NM = grad_y_NM.contiguous()
-        grad_h_NH = grouped_mm(grad_y_NM, weight2, ctx.counts)
+        grad_h_NH = grouped_mm(grad_y_NM, weight2, counts_L)
         _activation_backward(name, approximate, grad_h_NH, h_NH, a_NH, grad_h_NH)
-        grad_x_NM = grouped_mm(grad_h_NH, weight1, ctx.counts)
-        grad_w2 = grouped_mm_t(grad_y_NM, a_NH, ctx.counts)
-        grad_w1 = grouped_mm_t(grad_h_NH, x_NM, ctx.counts)
+        grad_x_NM = grouped_mm(grad_h_NH, weight1, counts_L)
+        grad_w2 = grouped_mm_t(grad_y_NM, a_NH, counts_L)
+        grad_w1 = grouped_mm_t(grad_h_NH, x_NM, counts_L)
         grad_b1 = grad_b2 = None
-        if ctx.has_bias:  # per-expert sums without atomics
-            grad_b2 = torch.segment_reduce(grad_y_NM.float(), "sum", lengths=counts_L, unsafe=True).to(weight2.dtype)
-            grad_b1 = torch.segment_reduce(grad_h_NH.float(), "sum", lengths=counts_L, unsafe=True).to(weight1.dtype)
+        if ctx.has_bias:  # per-expert sums without atomics; one more segment holds the padding rows
+            padding = (x_NM.shape[0] - counts_L.sum()).reshape(1)
+            lengths = torch.cat([counts_L, padding])
+            grad_b2 = torch.segment_reduce(grad_y_NM.float(), "sum", lengths=lengths, unsafe=True)[:-1].to(weight2.dtype)
+            grad_b1 = torch.segment_reduce(grad_h_NH.float(), "sum", lengths=lengths, unsafe=True)[:-1].to(weight1.dtype)
         return grad_x_NM, grad_w1, grad_b1, grad_w2, grad_b2, None, None
 
 
@@ -263,7 +269,8 @@ def grouped_mlp(
         x_NM: packed rows, shape [N, M], expert 0's rows first.
         weight1: shape [L, H, M]; bias1: [L, H] or None.
         weight2: shape [L, M_out, H]; bias2: [L, M_out] or None.
-        counts: rows per expert, L ints summing to N.
+        counts: rows per expert, L ints summing to N; with use_grouped_gemm also an int tensor [L] on
+            the rows' device summing to at most N (the rows after them are padding, their outputs unspecified).
         activation: one of ACTIVATIONS; approximate: GELU's approximation ("none" or "tanh").
         use_grouped_gemm: one grouped GEMM per layer instead of products per piece.
 
@@ -275,7 +282,11 @@ def grouped_mlp(
     """
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
-    if len(counts) != weight1.shape[0] or sum(counts) != x_NM.shape[0]:
+    if isinstance(counts, torch.Tensor):
+        if not use_grouped_gemm or counts.shape != (weight1.shape[0],):
+            raise ValueError(f"counts given as a tensor must have shape [{weight1.shape[0]}] and need "
+                             f"use_grouped_gemm=True, got shape {list(counts.shape)}")
+    elif len(counts) != weight1.shape[0] or sum(counts) != x_NM.shape[0]:
         raise ValueError(f"counts {counts} must have {weight1.shape[0]} entries summing to {x_NM.shape[0]}")
     if use_grouped_gemm:
         return _GroupedGemmMLP.apply(x_NM, weight1, bias1, weight2, bias2, counts, (activation, approximate))

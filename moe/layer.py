@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from kernels import permute, unpermute_combine
-from moe.expert_parallel import run_experts_packed, run_experts_padded
+from moe.expert_parallel import check_equal_tokens, plan_exchange, run_experts_packed, run_experts_padded
 from moe.experts import Experts
 from moe.gating import TopKGate
 from moe.routing import Routing
@@ -31,18 +31,17 @@ EXPERT_COMPUTE = ("auto", "packed", "grouped", "padded")
 EXPERT_INIT = ("copy", "per_expert_seed")
 
 
-def _rows(routing: Routing, packed: bool) -> tuple[torch.Tensor, int, list[int] | None]:
-    """Buffer row per (token, choice), -1 where dropped; the row count; the rows per expert if packed."""
-    kept_SK = routing.kept_SK
-    expert_SK = routing.expert_idx_SK.clamp(min=0)
-    if not packed:
-        row_SK = expert_SK * routing.capacity + routing.slot_SK
-        return torch.where(kept_SK, row_SK, -1), routing.num_experts * routing.capacity, None
-    counts_E = routing.kept_counts()
+def _padded_rows(routing: Routing) -> tuple[torch.Tensor, int]:
+    """Buffer row per (token, choice) in the capacity layout, expert * C + slot, -1 where dropped; and E * C."""
+    row_SK = routing.expert_idx_SK.clamp(min=0) * routing.capacity + routing.slot_SK
+    return torch.where(routing.kept_SK, row_SK, -1), routing.num_experts * routing.capacity
+
+
+def _packed_rows(routing: Routing, counts_E: torch.Tensor) -> torch.Tensor:
+    """Buffer row per (token, choice) with rows sorted by expert and no gaps, -1 where dropped."""
     offsets_E = torch.cumsum(counts_E, 0) - counts_E
-    row_SK = torch.where(kept_SK, offsets_E[expert_SK] + routing.slot_SK, -1)
-    counts = counts_E.tolist()  # the one host sync: slice sizes for the per-expert products
-    return row_SK, sum(counts), counts
+    row_SK = offsets_E[routing.expert_idx_SK.clamp(min=0)] + routing.slot_SK
+    return torch.where(routing.kept_SK, row_SK, -1)
 
 
 class MOELayer(nn.Module):
@@ -84,18 +83,35 @@ class MOELayer(nn.Module):
         return "padded" if self.gate.config.drop_tokens else "grouped"
 
     def forward(self, x_SM: torch.Tensor, used_token: torch.Tensor | None = None) -> torch.Tensor:
+        # Host syncs: none in the gate and the padded layout with dropping; none for grouped stacked
+        # experts in one process (a buffer of fixed size S * K, the counts stay on the device); one
+        # otherwise (the dropless capacity, or the row counts that slice sizes and splits need).
         routing = self.gate(x_SM, used_token)
         compute = self._compute(x_SM.device)
-        row_SK, num_rows, counts = _rows(routing, compute != "padded")
-        buffer_NM = permute(x_SM, row_SK, num_rows)
-        if self.ep_size == 1:
-            y_NM = self.experts(buffer_NM, counts, grouped_gemm=compute == "grouped")
-        elif compute == "padded":
-            y_NM = run_experts_padded(self.experts, buffer_NM, routing.capacity, self.ep_size, self.ep_group)
+        grouped = compute == "grouped"
+        if compute == "padded":
+            row_SK, num_rows = _padded_rows(routing)
+            if self.ep_size > 1 and self.gate.config.drop_tokens:
+                check_equal_tokens(x_SM.shape[0], x_SM.device, self.ep_group)
+            buffer_NM = permute(x_SM, row_SK, num_rows)
+            if self.ep_size == 1:
+                y_NM = self.experts(buffer_NM, None)
+            else:
+                y_NM = run_experts_padded(self.experts, buffer_NM, routing.capacity, self.ep_size, self.ep_group)
         else:
-            y_NM = run_experts_packed(
-                self.experts, buffer_NM, counts, self.ep_size, self.ep_group, grouped_gemm=compute == "grouped"
-            )
+            counts_E = routing.kept_counts()
+            row_SK = _packed_rows(routing, counts_E)
+            if self.ep_size > 1:
+                exchange = plan_exchange(counts_E, self.ep_size, self.ep_group)
+                buffer_NM = permute(x_SM, row_SK, sum(exchange.send))
+                y_NM = run_experts_packed(self.experts, buffer_NM, exchange, self.ep_group, grouped_gemm=grouped)
+            elif grouped and self.experts.stacked:
+                buffer_NM = permute(x_SM, row_SK, row_SK.numel())  # kept rows first, then zero padding rows
+                y_NM = self.experts(buffer_NM, counts_E, grouped_gemm=True)
+            else:
+                counts = counts_E.tolist()  # the one host sync: slice sizes for the per-expert products
+                buffer_NM = permute(x_SM, row_SK, sum(counts))
+                y_NM = self.experts(buffer_NM, counts, grouped_gemm=grouped)
         out_SM = unpermute_combine(y_NM, row_SK, routing.weight_SK)
         self.routing, self.l_aux, self.exp_counts, self.z_loss = routing, routing.l_aux, routing.exp_counts, routing.z_loss
         return out_SM

@@ -8,7 +8,9 @@ slots 0, 1, 2, ... in fill order, so the plan never needs an [S, E, C] tensor; `
 builds DeepSpeed's dense form only for tests and interop.
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -25,7 +27,10 @@ class Routing:
         expert_idx_SK: int64 expert per (token, choice), shape [S, K], -1 where dropped.
         slot_SK: int64 slot inside that expert's capacity buffer, shape [S, K], -1 where dropped.
         weight_SK: fp32 combine weight, shape [S, K], 0 where dropped; differentiable to the logits.
-        capacity: C, slots per expert.
+        resolve_capacity: returns C, slots per expert; read through `capacity`. Without dropping, C
+            is the largest expert count (max-reduced over the expert-parallel group), which costs a
+            host sync, so it is found only when asked for (the padded layout asks; packed and
+            grouped never do).
         num_experts: E.
         l_aux: the load-balancing loss, a scalar.
         exp_counts: int64 choices per expert before dropping, shape [E].
@@ -35,11 +40,16 @@ class Routing:
     expert_idx_SK: torch.Tensor
     slot_SK: torch.Tensor
     weight_SK: torch.Tensor
-    capacity: int
+    resolve_capacity: Callable[[], int]
     num_experts: int
     l_aux: torch.Tensor
     exp_counts: torch.Tensor
     z_loss: torch.Tensor
+
+    @cached_property
+    def capacity(self) -> int:
+        """C, slots per expert (found once, on first use)."""
+        return self.resolve_capacity()
 
     @property
     def kept_SK(self) -> torch.Tensor:

@@ -24,7 +24,7 @@ def test_positions_follow_fill_order():
     assert positions.tolist() == [0, 0, 1, -1, 2, 1]
 
 
-def test_route_layouts(kernel_backend):
+def test_route_layouts(kernel_backend, monkeypatch):
     expert_P = torch.tensor([1, 1, 0, 1, -1, 0, 1], device=DEVICE)
     counts, offsets, rows = route(expert_P, 3, capacity=2)
     assert counts.tolist() == [2, 4, 0] and offsets.tolist() == [0, 2, 4]
@@ -32,5 +32,6 @@ def test_route_layouts(kernel_backend):
     counts, offsets, rows = route(expert_P, 3)
     assert offsets.tolist() == [0, 2, 6]
     assert rows.tolist() == [2, 3, 0, 4, -1, 1, 5]
+    monkeypatch.setenv("MOE_SYNC_CHECKS", "1")  # the range check reads a device value: opt-in
     with pytest.raises(ValueError, match="holds expert 3, but num_experts is 3"):
         route(torch.tensor([3], device=DEVICE), 3)
