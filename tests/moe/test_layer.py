@@ -332,9 +332,10 @@ def test_layer_on_triton_kernels_equals_torch_path(compute, monkeypatch):
         torch.testing.assert_close(g, g2, **FP32)
 
 
+@pytest.mark.parametrize("dropless", [True, False])  # dropping: a fixed-size buffer ending in padding rows
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("gemm", ["torch", "triton", "loop"])
-def test_grouped_gemm_path_equals_per_expert_products(bias, gemm, monkeypatch):
+def test_grouped_gemm_path_equals_per_expert_products(bias, gemm, dropless, monkeypatch):
     from kernels.grouped_gemm import _torch_grouped_mm_runs
 
     if gemm == "torch" and not _torch_grouped_mm_runs(DEVICE, torch.float32):
@@ -343,7 +344,7 @@ def test_grouped_gemm_path_equals_per_expert_products(bias, gemm, monkeypatch):
     monkeypatch.setenv("MOE_KERNELS", "triton" if gemm == "triton" else "auto")
     torch.manual_seed(14)
     expert = _mlp(8, 16, nn.GELU, bias=bias)
-    kwargs = dict(num_experts=4, k=2, dropless=True, top2_2nd_expert_sampling=False)
+    kwargs = dict(num_experts=4, k=2, dropless=dropless, top2_2nd_expert_sampling=False, capacity_factor=0.5)
     grouped = MoE(8, expert, expert_compute="grouped", **kwargs)
     packed = MoE(8, expert, expert_compute="packed", **kwargs)
     with torch.no_grad():
