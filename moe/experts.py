@@ -87,10 +87,12 @@ class Experts(nn.Module):
             with its modules' reset_parameters, so weights do not depend on the expert-parallel
             layout; None keeps DeepSpeed's identical deep copies.
         first_expert: the global id of local expert 0 (tagged on the parameters for checkpoints).
+        use_data_before_expert_parallel: the rank layout of the expert groups (tagged on the parameters).
     """
 
     def __init__(self, expert: nn.Module, num_local_experts: int = 1, expert_group_name: str | None = None,
-                 stacked: bool | str = "auto", seed: tuple[int, int] | None = None, first_expert: int = 0):
+                 stacked: bool | str = "auto", seed: tuple[int, int] | None = None, first_expert: int = 0,
+                 use_data_before_expert_parallel: bool = False):
         super().__init__()
         if not isinstance(expert, nn.Module):
             raise TypeError(f"expert must be an nn.Module, got {type(expert).__name__}")
@@ -114,7 +116,7 @@ class Experts(nn.Module):
             self.bias2 = nn.Parameter(torch.stack([c[2].bias.detach() for c in copies])) if has_bias else None
         else:
             self.deepspeed_experts = nn.ModuleList(copies)
-        self._tags = (expert_group_name, seed[1] if seed is not None else first_expert)
+        self._tags = (expert_group_name, seed[1] if seed is not None else first_expert, use_data_before_expert_parallel)
         self._tag()
         self._register_load_state_dict_pre_hook(self._convert_state_dict)
 
@@ -125,9 +127,9 @@ class Experts(nn.Module):
 
     def _tag(self) -> None:
         """Tag the parameters as expert parameters of their group, and with the global experts they hold."""
-        group_name, first = self._tags
+        group_name, first, data_before = self._tags
         if group_name is not None:
-            tag_expert_parameters(self.parameters(), group_name)
+            tag_expert_parameters(self.parameters(), group_name, data_before)
         ids = tuple(range(first, first + self.num_local_experts))
         if self.stacked:
             for param in self.parameters():

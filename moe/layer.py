@@ -198,6 +198,7 @@ class MoE(nn.Module):
         experts = Experts(
             expert, self.num_local_experts, self.expert_group_name,
             seed=(seed, first_expert) if expert_init == "per_expert_seed" else None, first_expert=first_expert,
+            use_data_before_expert_parallel=use_data_before_expert_parallel,
         )
         self.deepspeed_moe = MOELayer(
             gate, experts, self.expert_group_name, ep_size, self.num_local_experts, expert_compute, ep_group

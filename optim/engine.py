@@ -29,7 +29,7 @@ from optim.monitor import Monitor, StepStats
 from optim.scaler import LossScaler, LossScalerConfig
 from optim.schedulers import build_scheduler
 from optim.zero import FlatGroup, ShardedParam, describe_parameters, shard_placement
-from parallel import data_meshes, groups_for_name
+from parallel import data_before_expert, data_meshes, groups_for_name, local_device
 
 __all__ = ["Engine", "initialize"]
 
@@ -134,8 +134,7 @@ class Engine:
         self.world_size, self.rank = _distributed()
         self.stage = config.zero_optimization.stage
         self.accumulation = config.gradient_accumulation_steps
-        self.device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}") if torch.cuda.is_available() \
-            else torch.device("cpu")
+        self.device = local_device()
         self.module = model.to(self.device)
         self.global_steps = self.micro_steps = self.skipped_steps = 0
         self._in_engine_backward = False
@@ -148,7 +147,8 @@ class Engine:
         self.state_dtype = torch.bfloat16 if bf16_master and config.bf16.bf16_optimizer_states else torch.float32
         self._warn_offload()
         self._broadcast_initial_state()
-        infos = describe_parameters(self.module, lambda name: groups_for_name(name).ep_rank)
+        infos = describe_parameters(
+            self.module, lambda param: groups_for_name(param.group_name, data_before_expert(param)).ep_rank)
         user_groups, defaults = _param_groups(self.module, model_parameters, optimizer)
         groups = [dict(g, params=[infos[id(p)] for p in g["params"]]) for g in _split_expert_groups(user_groups, infos)]
         self._fully_shard = self.stage == 3 and dist.is_available() and dist.is_initialized()
@@ -165,7 +165,7 @@ class Engine:
             static_scale=config.fp16.loss_scale, initial_scale_power=config.fp16.initial_scale_power,
             loss_scale_window=config.fp16.loss_scale_window, hysteresis=config.fp16.hysteresis,
             consecutive_hysteresis=config.fp16.consecutive_hysteresis, min_loss_scale=config.fp16.min_loss_scale,
-        )) if low == "fp16" else None
+        )) if low == "fp16" or self._autocast_dtype() == torch.float16 else None  # fp16 autocast needs one too
         board = config.tensorboard
         # Statistics are summed on every rank (one all-reduce per step); rank 0 writes them.
         self._stats = StepStats(self.module) if board.enabled else None
@@ -191,7 +191,7 @@ class Engine:
         with torch.no_grad():
             for param in self.module.parameters():
                 if hasattr(param, "allreduce") and not param.allreduce:
-                    groups = groups_for_name(param.group_name)
+                    groups = groups_for_name(param.group_name, data_before_expert(param))
                     dist.broadcast(param.data, src=dist.get_global_rank(groups.edp_group, 0), group=groups.edp_group)
                 else:
                     dist.broadcast(param.data, src=0)
@@ -220,11 +220,13 @@ class Engine:
         for name, module in self.module.named_modules():
             parent = name.rpartition(".")[0] if name else None
             if all_expert[name] and (parent is None or not all_expert.get(parent, False)):
-                groups = groups_for_name(by_name[_first_name(name, module)].group_name)
+                first = by_name[_first_name(name, module)]
+                groups = groups_for_name(first.group_name, first.data_before_expert)
                 _, edp_mesh = data_meshes(groups.ep_size, groups.use_data_before_expert_parallel, self.device.type)
                 fully_shard(module, mesh=edp_mesh, shard_placement_fn=shard_placement(edp_mesh.size()), **kwargs)
                 module.set_gradient_divide_factor(float(self.world_size))
-                module.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
+                if dist.get_backend() == "gloo":  # gloo has no PREMUL_SUM; NCCL divides on the wire
+                    module.set_force_sum_reduction_for_comms(True)
         dp_mesh, _ = data_meshes(1, device_type=self.device.type)
         fully_shard(self.module, mesh=dp_mesh, shard_placement_fn=shard_placement(dp_mesh.size()), **kwargs)
         for name, param in self.module.named_parameters():  # fully_shard replaced the parameters
@@ -251,7 +253,7 @@ class Engine:
         if self.world_size == 1:
             return None, 1, 0
         if info.expert:
-            groups = groups_for_name(info.group_name)
+            groups = groups_for_name(info.group_name, info.data_before_expert)
             return (groups.edp_group if groups.edp_size > 1 else None), groups.edp_size, groups.edp_rank
         return dist.group.WORLD, self.world_size, self.rank
 
@@ -273,24 +275,29 @@ class Engine:
         """The current fp16 loss scale (1.0 without fp16)."""
         return self.scaler.scale if self.scaler is not None else 1.0
 
-    def _cast_inputs(self, value):
-        if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dtype != self.compute_dtype:
-            return value.to(self.compute_dtype)
-        return value
+    def _autocast_dtype(self) -> torch.dtype | None:
+        autocast = self.config.torch_autocast
+        return autocast.torch_dtype if autocast.enabled else None
+
+    def _to_device(self, value):
+        """Tensors to the model's device; floating ones to the fp16/bf16 compute dtype."""
+        if not isinstance(value, torch.Tensor):
+            return value
+        dtype = self.compute_dtype if value.is_floating_point() and self.config.low_precision is not None else None
+        return value.to(self.device, dtype, non_blocking=True)
 
     def __call__(self, *args, **kwargs):
         return self.forward(*args, **kwargs)
 
     def forward(self, *args, **kwargs):
-        """Run the model; floating inputs are cast to the fp16/bf16 compute dtype, outputs get the grad factor."""
+        """Run the model on inputs moved to its device (floating ones cast to the fp16/bf16 compute dtype);
+        outputs get the grad factor."""
         start = time.perf_counter()
         if self._step_started is None and self.module.training:
             self._step_started = start
-        if self.config.low_precision is not None:
-            args, kwargs = tree_map(self._cast_inputs, (args, kwargs))
-        autocast = self.config.torch_autocast
-        context = torch.autocast(self.device.type, dtype=autocast.torch_dtype) if autocast.enabled \
-            else contextlib.nullcontext()
+        args, kwargs = tree_map(self._to_device, (args, kwargs))
+        autocast = self._autocast_dtype()
+        context = torch.autocast(self.device.type, dtype=autocast) if autocast is not None else contextlib.nullcontext()
         with context:
             output = self.module(*args, **kwargs)
         if self._fully_shard and not torch.is_grad_enabled():

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from parallel import expert_ids, is_moe_param
+from parallel import data_before_expert, expert_ids, is_moe_param
 
 __all__ = ["FlatGroup", "ParamInfo", "ShardedParam", "describe_parameters", "shard_placement"]
 
@@ -41,6 +41,7 @@ class ParamInfo:
     ids: tuple[int, ...] | None
     axis: int | None
     global_name: str
+    data_before_expert: bool = False  # the rank layout of the expert groups (parallel.groups)
 
     def keys(self) -> list[str]:
         """Checkpoint keys: one per global expert for stacked experts, else the one-process name."""
@@ -61,7 +62,7 @@ class ParamInfo:
 
 
 def describe_parameters(model: nn.Module, ep_rank_of) -> dict[int, ParamInfo]:
-    """ParamInfo for every trainable parameter, by id; `ep_rank_of(group_name)` for untagged experts."""
+    """ParamInfo for every trainable parameter, by id; `ep_rank_of(param)` for experts tagged without ids."""
     infos = {}
     for name, param in model.named_parameters():
         if not param.requires_grad or id(param) in infos:
@@ -75,8 +76,9 @@ def describe_parameters(model: nn.Module, ep_rank_of) -> dict[int, ParamInfo]:
             if local_suffix is not None and name.endswith(local_suffix):
                 global_name = name[: -len(local_suffix)] + global_suffix
         elif expert:  # tagged by hand without ids: only the same expert-parallel layout can reload it
-            global_name = f"{name}@ep_rank{ep_rank_of(param.group_name)}"
-        infos[id(param)] = ParamInfo(name, param, expert, getattr(param, "group_name", None), ids, axis, global_name)
+            global_name = f"{name}@ep_rank{ep_rank_of(param)}"
+        infos[id(param)] = ParamInfo(name, param, expert, getattr(param, "group_name", None), ids, axis, global_name,
+                                     data_before_expert(param))
     return infos
 
 
@@ -138,8 +140,14 @@ class FlatGroup:
         self.swapped = state_dtype != master_dtype
         self.proxy = nn.Parameter(self.master if state_dtype == master_dtype else torch.empty(0, dtype=state_dtype),
                                   requires_grad=True)
-        self.flat_grad = torch.zeros_like(self.flat) if stage <= 1 else None
-        self.grad_shard = torch.zeros(self.shard, dtype=dtype, device=device) if stage == 2 else None
+        # bf16 gradients accumulate over micro-batches in the master dtype (fp32 unless bf16 master
+        # weights were asked for), as DeepSpeed's bf16 optimizer does: summing many bf16 micro-batch
+        # gradients in bf16 loses their low bits. Autograd then writes each backward's gradients in
+        # the model dtype, and micro_step adds them into the fp32 buffer.
+        grad_dtype = master_dtype if dtype == torch.bfloat16 else dtype
+        self.accumulate = grad_dtype != dtype
+        self.flat_grad = torch.zeros_like(self.flat, dtype=grad_dtype) if stage <= 1 else None
+        self.grad_shard = torch.zeros(self.shard, dtype=grad_dtype, device=device) if stage == 2 else None
         self._point_grads()
 
     def _views(self, buffer: torch.Tensor):
@@ -148,7 +156,7 @@ class FlatGroup:
 
     def _point_grads(self) -> None:
         """Stages 0/1: make every .grad a view into the flat gradient, keeping what it held."""
-        if self.flat_grad is None:
+        if self.flat_grad is None or self.accumulate:
             return
         for param, view in self._views(self.flat_grad):
             if param.grad is None:
@@ -158,15 +166,24 @@ class FlatGroup:
             param.grad = view
 
     def micro_step(self, divisor: float) -> None:
-        """After each backward: stage 2 reduce-scatters the gradients into its shard and frees them."""
+        """After each backward: stage 2 reduce-scatters the gradients into its shard and frees them;
+        stages 0/1 with a wider gradient buffer add them into it."""
         if self.stage != 2:
+            if self.accumulate:
+                with torch.no_grad():
+                    for param, view in self._views(self.flat_grad):
+                        if param.grad is not None:
+                            view.add_(param.grad)
+                            param.grad = None
             return
         grads = [p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel(), dtype=p.dtype, device=p.device)
                  for p in (info.param for info in self.infos)]
         padding = self.flat.numel() - self.total
         if padding:
             grads.append(torch.zeros(padding, dtype=self.flat.dtype, device=self.flat.device))
-        _reduce(torch.cat(grads), self.group, divisor, scatter_into=self.grad_shard)
+        flat = torch.cat(grads)
+        _reduce(flat.to(self.grad_shard.dtype) if self.accumulate else flat, self.group, divisor,
+                scatter_into=self.grad_shard)
         for info in self.infos:
             info.param.grad = None
 
@@ -177,7 +194,7 @@ class FlatGroup:
             _reduce(self.flat_grad, self.group, divisor)
 
     def grad(self) -> torch.Tensor:
-        """This rank's reduced gradient slice (model dtype)."""
+        """This rank's reduced gradient slice (model dtype; fp32 for bf16 models with fp32 master weights)."""
         if self.stage == 2:
             return self.grad_shard
         return self.flat_grad[self.lo : self.lo + self.shard]
@@ -198,6 +215,9 @@ class FlatGroup:
         if self.flat_grad is not None:
             self.flat_grad.zero_()
             self._point_grads()
+        if self.accumulate:
+            for info in self.infos:
+                info.param.grad = None
         if self.grad_shard is not None:
             self.grad_shard.zero_()
             for info in self.infos:
@@ -237,11 +257,12 @@ class FlatGroup:
 
 
 def shard_placement(size: int):
-    """fully_shard's choice of dimension per parameter: the first one `size` divides, else the longest.
+    """fully_shard's choice of dimension per parameter: the first one `size` divides, else dim 0.
 
     FSDP's default cuts dim 0 into ceil-sized chunks, which leaves small or oddly shaped parameters
     spread unevenly (a [5, 8] weight over 4 ranks: 2, 2, 1, 0 rows); any dimension that divides evenly
-    keeps every rank's share equal, as the ZeRO accounting assumes.
+    keeps every rank's share equal, as the ZeRO accounting assumes. When none divides, dim 0 it is:
+    fully_shard pads uneven shards on dim 0 only (a [10, 84] weight on 8 ranks cannot go on dim 1).
     """
     from torch.distributed.tensor import Shard
 
@@ -251,7 +272,7 @@ def shard_placement(size: int):
         for dim, length in enumerate(param.shape):
             if length % size == 0:
                 return Shard(dim)
-        return Shard(max(range(param.dim()), key=lambda d: param.shape[d]))
+        return Shard(0)
 
     return placement
 

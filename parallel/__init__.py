@@ -1,13 +1,13 @@
 """Process groups, all-to-all and the expert-parameter tags shared by `moe` and `optim`."""
 
 from parallel.all_to_all import all_to_all, exchange_counts
-from parallel.distributed import init_distributed
+from parallel.distributed import init_distributed, local_device
 from parallel.groups import (
     ExpertGroups, data_meshes, expert_groups, expert_layout, expert_mesh, groups_for_name, reset_groups,
 )
-from parallel.tags import expert_ids, is_moe_param, tag_expert_ids, tag_expert_parameters
+from parallel.tags import data_before_expert, expert_ids, is_moe_param, tag_expert_ids, tag_expert_parameters
 
 __all__ = [
-    "ExpertGroups", "all_to_all", "data_meshes", "expert_ids", "exchange_counts", "expert_groups", "expert_layout", "expert_mesh", "groups_for_name",
-    "init_distributed", "is_moe_param", "reset_groups", "tag_expert_ids", "tag_expert_parameters",
+    "ExpertGroups", "all_to_all", "data_before_expert", "data_meshes", "expert_ids", "exchange_counts", "expert_groups", "expert_layout", "expert_mesh", "groups_for_name",
+    "init_distributed", "is_moe_param", "local_device", "reset_groups", "tag_expert_ids", "tag_expert_parameters",
 ]

@@ -6,7 +6,7 @@ import os
 import torch
 import torch.distributed as dist
 
-__all__ = ["init_distributed"]
+__all__ = ["init_distributed", "local_device"]
 
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -37,6 +37,25 @@ def init_distributed(backend: str | None = None, timeout_s: float = 600.0) -> tu
         raise ValueError(f"torchrun environment incomplete: {missing} missing; launch with torchrun")
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(local_device())
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
     return dist.get_rank(), dist.get_world_size()
+
+
+def local_device() -> torch.device:
+    """This process's device: cuda:LOCAL_RANK when CUDA is there, else the CPU.
+
+    Without LOCAL_RANK (a launcher other than torchrun), the GPU is RANK modulo the GPUs on the node,
+    so ranks never all land on cuda:0.
+
+    Raises:
+        ValueError: LOCAL_RANK or RANK is not a non-negative integer.
+    """
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    name = "LOCAL_RANK" if "LOCAL_RANK" in os.environ else "RANK"
+    value = os.environ.get(name, "0")
+    if not value.isdigit():
+        raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
+    index = int(value) if name == "LOCAL_RANK" else int(value) % max(torch.cuda.device_count(), 1)
+    return torch.device("cuda", index)

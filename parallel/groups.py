@@ -87,18 +87,30 @@ def expert_groups(ep_size: int, use_data_before_expert_parallel: bool = False) -
     return groups
 
 
-def groups_for_name(group_name: str) -> ExpertGroups:
+def groups_for_name(group_name: str, use_data_before_expert_parallel: bool | None = None) -> ExpertGroups:
     """The groups behind an expert group name ("ep_size_<e>", as MoE layers tag their parameters).
 
+    Args:
+        group_name: the name.
+        use_data_before_expert_parallel: the layout the parameters were tagged with (None: the cached
+            groups of that name, else the default layout). Given, it also rebuilds the right groups
+            after `reset_groups`.
+
     Raises:
-        ValueError: the name is not of the form ep_size_<e>.
+        ValueError: the name is not of the form ep_size_<e>, or names groups built with the other layout.
     """
-    if group_name in _BY_NAME:
-        return _BY_NAME[group_name]
+    cached = _BY_NAME.get(group_name)
+    if cached is not None and use_data_before_expert_parallel in (None, cached.use_data_before_expert_parallel):
+        return cached
     size = group_name.removeprefix("ep_size_")
     if not size.isdigit():
         raise ValueError(f"expert group name must look like 'ep_size_<e>', got {group_name!r}")
-    return expert_groups(int(size))
+    if cached is not None:
+        raise ValueError(
+            f"expert group {group_name!r} exists with use_data_before_expert_parallel="
+            f"{cached.use_data_before_expert_parallel}; one ep size takes one layout in a process"
+        )
+    return expert_groups(int(size), bool(use_data_before_expert_parallel))
 
 
 def data_meshes(ep_size: int, use_data_before_expert_parallel: bool = False,

@@ -13,15 +13,18 @@ from collections.abc import Iterable
 
 import torch
 
-__all__ = ["tag_expert_parameters", "is_moe_param", "tag_expert_ids", "expert_ids"]
+__all__ = ["data_before_expert", "tag_expert_parameters", "is_moe_param", "tag_expert_ids", "expert_ids"]
 
 
-def tag_expert_parameters(params: Iterable[torch.nn.Parameter], group_name: str) -> None:
+def tag_expert_parameters(params: Iterable[torch.nn.Parameter], group_name: str,
+                          use_data_before_expert_parallel: bool = False) -> None:
     """Mark parameters as expert parameters reduced over the expert-data-parallel group `group_name`.
 
     Args:
         params: the expert parameters.
         group_name: name of their expert-data-parallel group, e.g. "ep_size_2".
+        use_data_before_expert_parallel: the rank layout of that group (see parallel.groups), kept
+            on the parameter so the group can be rebuilt from the tags alone.
 
     Raises:
         TypeError: if group_name is not a non-empty string.
@@ -31,6 +34,12 @@ def tag_expert_parameters(params: Iterable[torch.nn.Parameter], group_name: str)
     for param in params:
         param.allreduce = False
         param.group_name = group_name
+        param.use_data_before_expert_parallel = bool(use_data_before_expert_parallel)
+
+
+def data_before_expert(param: torch.Tensor) -> bool:
+    """The rank layout an expert parameter's group was built with (False when untagged)."""
+    return bool(getattr(param, "use_data_before_expert_parallel", False))
 
 
 def is_moe_param(param: torch.Tensor) -> bool:

@@ -52,7 +52,7 @@ class Block(nn.Module):
 
 PRECISIONS = {
     "fp32": ({}, (4, 4, 8)),
-    "bf16": ({"bf16": {"enabled": True}}, (2, 2, 12)),
+    "bf16": ({"bf16": {"enabled": True}}, (2, 4, 12)),  # gradients accumulate in fp32
     "bf16 low": ({"bf16": {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}},
                  (2, 2, 4)),
 }

@@ -200,7 +200,7 @@ def test(engine, images, labels, cfg: CifarConfig, rank: int, world: int) -> tup
     totals = torch.zeros(2 + 20, dtype=torch.float64)  # loss sum, count, then correct and seen per class
     for start in range(rank * cfg.batch_size, padded, step):
         rows, keep = index[start:start + cfg.batch_size], counted[start:start + cfg.batch_size]
-        logits = engine(normalise(images[rows]))[0].float()
+        logits = engine(normalise(images[rows]).to(engine.device))[0].float().cpu()  # scored on the host
         y = labels[rows]
         totals[0] += F.cross_entropy(logits[keep], y[keep], reduction="sum").item() if keep.any() else 0.0
         totals[1] += keep.sum()
@@ -208,9 +208,19 @@ def test(engine, images, labels, cfg: CifarConfig, rank: int, world: int) -> tup
         totals[2:12] += torch.bincount(y[hit], minlength=10).double()
         totals[12:22] += torch.bincount(y[keep], minlength=10).double()
     engine.train()
-    totals = torch.tensor(all_sum(*totals.tolist()))
+    totals = torch.tensor(all_sum(*totals.tolist(), device=engine.device))
     per_class = (totals[2:12] / totals[12:22].clamp(min=1)).tolist()
     return float(totals[0] / totals[1]), float(totals[2:12].sum() / totals[1]), per_class
+
+
+def train_step(engine, cfg: CifarConfig, images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """One micro-batch: batch to the model's device, forward, loss, backward, engine step; returns the loss."""
+    images, labels = images.to(engine.device, non_blocking=True), labels.to(engine.device, non_blocking=True)
+    logits, l_aux = engine(images)
+    loss = F.cross_entropy(logits.float(), labels)
+    engine.backward(loss + cfg.aux_coef * l_aux)
+    engine.step()
+    return loss.detach()
 
 
 def train(cfg: CifarConfig, given: set[str], rank: int, world: int) -> dict:
@@ -250,10 +260,7 @@ def train(cfg: CifarConfig, given: set[str], rank: int, world: int) -> dict:
     for epoch in range(first_epoch + 1, cfg.epochs + 1):
         losses = []
         for i, rows in enumerate(shard(len(train_x), cfg.batch_size, rank, world, epoch, cfg.seed).split(cfg.batch_size)):
-            logits, l_aux = engine(normalise(train_x[rows]))
-            loss = F.cross_entropy(logits.float(), train_y[rows])
-            engine.backward(loss + cfg.aux_coef * l_aux)
-            engine.step()
+            loss = train_step(engine, cfg, normalise(train_x[rows]), train_y[rows])
             losses.append(loss.item())
             last = i + 1 == steps_per_epoch
             if (i + 1) % cfg.log_interval == 0 or last:
@@ -262,7 +269,7 @@ def train(cfg: CifarConfig, given: set[str], rank: int, world: int) -> dict:
                 progress.line(engine.global_steps, rate, epoch=epoch, loss=sum(recent) / len(recent))
                 if engine.monitor is not None:  # each image is one token for the MoE layers
                     engine.monitor.scalars(engine.global_steps, {"Train/images_per_s": rate, "Train/tokens_per_s": rate})
-        train_loss = all_sum(sum(losses), len(losses))
+        train_loss = all_sum(sum(losses), len(losses), device=engine.device)
         train_loss = train_loss[0] / max(train_loss[1], 1)
         test_loss, accuracy, per_class = test(engine, test_x, test_y, cfg, rank, world)
         history.append({"epoch": epoch, "step": engine.global_steps, "train_loss": train_loss,

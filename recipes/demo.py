@@ -97,7 +97,7 @@ def train(cfg: DemoConfig, dense: bool, rank: int = 0, world: int = 1) -> float:
     batch = make_task(cfg, rank)
     start, recent = time.perf_counter(), []
     for step in range(1, cfg.steps + 1):
-        x, y = batch()
+        x, y = (t.to(engine.device) for t in batch())
         pred, l_aux, exp_counts = engine(x)
         mse = nn.functional.mse_loss(pred.float(), y)
         engine.backward(mse + cfg.aux_coef * l_aux)

@@ -170,13 +170,23 @@ def evaluate(engine, val: torch.Tensor, cfg: TrainConfig, rank: int, world: int)
     total = count = 0.0
     for j in range(per_rank):
         batch = (j * world + rank) * cfg.batch_size
-        x, y = windows(val, starts[batch:batch + cfg.batch_size], cfg.seq_len)
+        x, y = (t.to(engine.device) for t in windows(val, starts[batch:batch + cfg.batch_size], cfg.seq_len))
         logits = engine(x)[0]
         total += F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="sum").item()
         count += y.numel()
     engine.train()
-    total, count = all_sum(total, count)
+    total, count = all_sum(total, count, device=engine.device)
     return total / count
+
+
+def train_step(engine, cfg: TrainConfig, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """One micro-batch: batch to the model's device, forward, loss, backward, engine step; returns the loss."""
+    x, y = x.to(engine.device, non_blocking=True), y.to(engine.device, non_blocking=True)
+    logits, l_aux, z_loss = engine(x)
+    loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+    engine.backward(loss + cfg.aux_coef * l_aux + cfg.z_loss_coef * z_loss)
+    engine.step()
+    return loss.detach()
 
 
 # Training.
@@ -208,11 +218,7 @@ def train(cfg: TrainConfig, given: set[str], rank: int, world: int) -> dict:
     history = {"train": [], "val": [], "tokens_per_s": []}
     for step in range(first_step + 1, cfg.steps + 1):
         for micro in range(engine.accumulation):
-            x, y = train_batch(train_tokens, cfg, step, micro, rank)
-            logits, l_aux, z_loss = engine(x)
-            loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
-            engine.backward(loss + cfg.aux_coef * l_aux + cfg.z_loss_coef * z_loss)
-            engine.step()
+            loss = train_step(engine, cfg, *train_batch(train_tokens, cfg, step, micro, rank))
         history["train"].append((step, loss.item()))
         if step % cfg.log_interval == 0 or step == cfg.steps:
             rate = progress.rate(step)
@@ -310,8 +316,9 @@ def sample(argv: list[str]) -> dict:
                                            "optimizer": {"type": "AdamW", "params": {"lr": 0.0}}})
     engine.load_checkpoint(cfg.checkpoint_dir, load_optimizer_states=False)
     model.eval()
-    prompt = torch.tensor([list(cfg.prompt.encode())], dtype=torch.long)
-    out = model.generate(prompt, cfg.new_tokens, cfg.temperature, cfg.top_k, torch.Generator().manual_seed(cfg.seed))
+    prompt = torch.tensor([list(cfg.prompt.encode())], dtype=torch.long, device=engine.device)
+    generator = torch.Generator(device=engine.device).manual_seed(cfg.seed)
+    out = model.generate(prompt, cfg.new_tokens, cfg.temperature, cfg.top_k, generator)
     text = bytes(out[0].tolist()).decode("utf-8", errors="replace")
     print(text)
     return {"text": text}

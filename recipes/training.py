@@ -11,11 +11,13 @@ class SetupError(Exception):
     """A bad value found while building data, model or engine: reported in one line like a bad flag."""
 
 
-def all_sum(*values: float) -> list[float]:
-    """Each value summed over all processes (one all-reduce; plain values in one process)."""
-    tensor = torch.tensor(values, dtype=torch.float64)
-    if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(tensor)
+def all_sum(*values: float, device: torch.device | str = "cpu") -> list[float]:
+    """Each value summed over all processes (one all-reduce on `device`, the model's: NCCL takes no
+    CPU tensors; plain values in one process)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return [float(v) for v in values]
+    tensor = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(tensor)
     return tensor.tolist()
 
 
