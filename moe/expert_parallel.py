@@ -19,7 +19,10 @@ import torch.distributed as dist
 from kernels import sync_checks
 from parallel import all_to_all, exchange_counts
 
-__all__ = ["Exchange", "check_equal_tokens", "plan_exchange", "run_experts_padded", "run_experts_packed"]
+__all__ = [
+    "Exchange", "check_equal_tokens", "plan_exchange", "read_counts", "read_exchange", "run_experts_padded",
+    "run_experts_packed",
+]
 
 
 def check_equal_tokens(num_tokens: int, device: torch.device, ep_group) -> None:
@@ -79,8 +82,20 @@ def plan_exchange(counts_E: torch.Tensor, ep_size: int, ep_group) -> Exchange:
     """
     send_RL = counts_E.view(ep_size, -1)
     recv_RL = exchange_counts(send_RL, ep_group)  # recv_RL[r, l]: rows rank r sends to local expert l
-    host = torch.cat([send_RL.sum(1), recv_RL.sum(1), recv_RL.sum(0)]).tolist()  # the one host sync
-    return Exchange(host[:ep_size], host[ep_size:2 * ep_size], recv_RL, host[2 * ep_size:])
+    send, recv, local_counts = read_exchange(send_RL, recv_RL)
+    return Exchange(send, recv, recv_RL, local_counts)
+
+
+def read_exchange(send_RL: torch.Tensor, recv_RL: torch.Tensor) -> tuple[list[int], list[int], list[int]]:
+    """Rows sent to and received from each rank, and rows per local expert: the layer's one host read."""
+    ranks = send_RL.shape[0]
+    host = torch.cat([send_RL.sum(1), recv_RL.sum(1), recv_RL.sum(0)]).tolist()
+    return host[:ranks], host[ranks:2 * ranks], host[2 * ranks:]
+
+
+def read_counts(counts_E: torch.Tensor) -> list[int]:
+    """Kept rows per expert on the host (one process, packed layout): the layer's one host read."""
+    return counts_E.tolist()
 
 
 def run_experts_packed(experts, buffer_NM: torch.Tensor, exchange: Exchange, ep_group,

@@ -22,6 +22,7 @@ import copy
 import torch
 from torch import nn
 
+from moe.autocast import autocast_dtype
 from moe.grouped_mlp import grouped_mlp
 from parallel import tag_expert_ids, tag_expert_parameters
 
@@ -169,9 +170,8 @@ class Experts(nn.Module):
             raise ValueError(f"counts {counts} must have {self.num_local_experts} entries summing to {buffer_NM.shape[0]}")
         if self.stacked:
             weights = (self.weight1, self.bias1, self.weight2, self.bias2)
-            device_type = buffer_NM.device.type
-            if torch.is_autocast_enabled(device_type):  # autocast does not reach the grouped products
-                dtype = torch.get_autocast_dtype(device_type)
+            dtype = autocast_dtype(buffer_NM.device)
+            if dtype is not None:  # autocast does not reach the grouped products
                 buffer_NM = buffer_NM.to(dtype)
                 weights = tuple(w.to(dtype) if w is not None else None for w in weights)
             return grouped_mlp(buffer_NM, *weights, counts, self.activation, self.approximate, grouped_gemm)

@@ -9,7 +9,6 @@ largest per-expert count (max-reduced over the expert-parallel group) and nothin
 DeepSpeed leaves an order open (ties, which tokens keep their slot), ours is first-come by token index.
 """
 
-import contextlib
 import math
 from dataclasses import dataclass
 
@@ -18,6 +17,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from kernels import sync_checks
+from moe.autocast import no_autocast
 from moe.routing import Routing, assign_slots
 
 __all__ = ["TopKGate", "TopKGateConfig", "top1gating", "top2gating", "topkgating"]
@@ -251,13 +251,6 @@ def topkgating(
                  _z_loss(logits), True)
 
 
-def _no_autocast(device: torch.device):
-    """A context that turns autocast off for `device` (nothing to turn off where autocast does not exist)."""
-    if device.type in ("cpu", "cuda", "xpu", "mps", "hpu") and torch.is_autocast_enabled(device.type):
-        return torch.autocast(device.type, enabled=False)
-    return contextlib.nullcontext()
-
-
 def _check_policy(noisy_gate_policy) -> None:
     if noisy_gate_policy not in NOISY_GATE_POLICIES:
         raise ValueError(f"noisy_gate_policy must be one of {NOISY_GATE_POLICIES}, got {noisy_gate_policy!r}")
@@ -360,7 +353,7 @@ class TopKGate(torch.nn.Module):
         x_SM = x_SM.to(_gate_dtype(x_SM.dtype))
         if self.training and cfg.noisy_gate_policy == "Jitter":
             x_SM = x_SM * torch.empty_like(x_SM).uniform_(1.0 - JITTER_EPS, 1.0 + JITTER_EPS)
-        with _no_autocast(x_SM.device):  # the router stays fp32 under the model's autocast
+        with no_autocast(x_SM.device):  # the router stays fp32 under the model's autocast
             logits = F.linear(x_SM, self.wg.weight.to(x_SM.dtype))
         capacity_factor = cfg.capacity_factor if self.training else cfg.eval_capacity_factor
         if cfg.k == 1:

@@ -19,7 +19,8 @@ import torch
 from torch import nn
 
 from kernels import permute, unpermute_combine
-from moe.expert_parallel import check_equal_tokens, plan_exchange, run_experts_packed, run_experts_padded
+from moe import expert_parallel
+from moe.expert_parallel import check_equal_tokens, run_experts_packed, run_experts_padded
 from moe.experts import Experts
 from moe.gating import TopKGate
 from moe.routing import Routing
@@ -102,14 +103,14 @@ class MOELayer(nn.Module):
             counts_E = routing.kept_counts()
             row_SK = _packed_rows(routing, counts_E)
             if self.ep_size > 1:
-                exchange = plan_exchange(counts_E, self.ep_size, self.ep_group)
+                exchange = expert_parallel.plan_exchange(counts_E, self.ep_size, self.ep_group)
                 buffer_NM = permute(x_SM, row_SK, sum(exchange.send))
                 y_NM = run_experts_packed(self.experts, buffer_NM, exchange, self.ep_group, grouped_gemm=grouped)
             elif grouped and self.experts.stacked:
                 buffer_NM = permute(x_SM, row_SK, row_SK.numel())  # kept rows first, then zero padding rows
                 y_NM = self.experts(buffer_NM, counts_E, grouped_gemm=True)
             else:
-                counts = counts_E.tolist()  # the one host sync: slice sizes for the per-expert products
+                counts = expert_parallel.read_counts(counts_E)  # the one host sync: slice sizes
                 buffer_NM = permute(x_SM, row_SK, sum(counts))
                 y_NM = self.experts(buffer_NM, counts, grouped_gemm=grouped)
         out_SM = unpermute_combine(y_NM, row_SK, routing.weight_SK)

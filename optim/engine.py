@@ -168,7 +168,7 @@ class Engine:
         )) if low == "fp16" or self._autocast_dtype() == torch.float16 else None  # fp16 autocast needs one too
         board = config.tensorboard
         # Statistics are summed on every rank (one all-reduce per step); rank 0 writes them.
-        self._stats = StepStats(self.module) if board.enabled else None
+        self._stats = StepStats(self.module, self.device) if board.enabled else None
         self.monitor = Monitor(os.path.join(board.output_path or "runs", board.job_name)) \
             if board.enabled and self.rank == 0 else None
         self._step_started = None
@@ -361,12 +361,10 @@ class Engine:
             self.zero_grad()
             return
         proxies = self._prepare_proxies(grads)
-        if self.config.gradient_clipping > 0:
-            norm = self._global_norm()
-            coefficient = self.config.gradient_clipping / (norm + 1e-6)
-            if coefficient < 1:
-                for proxy in proxies:
-                    proxy.grad.mul_(coefficient)
+        if self.config.gradient_clipping > 0:  # on the device: min(1, clip / norm) scales every gradient, no host read
+            coefficient = (self.config.gradient_clipping / (self._global_norm() + 1e-6)).clamp(max=1.0)
+            for proxy in proxies:
+                proxy.grad.mul_(coefficient.to(proxy.grad.device, proxy.grad.dtype))
         self.optimizer.step()
         for unit in self.units:
             if unit.swapped:
@@ -381,12 +379,14 @@ class Engine:
             self.scaler.update(False)
 
     def _any_overflow(self, grads: list[torch.Tensor]) -> bool:
-        """True when any rank's gradients hold inf or nan (agreed by all ranks)."""
-        local = any(bool((~torch.isfinite(g)).any()) for g in grads if g.numel())
-        flag = torch.tensor([1.0 if local else 0.0], device=self.device)
+        """True when any rank's gradients hold inf or nan (agreed by all ranks): the step's one host read."""
+        flag = torch.zeros(1, device=self.device)
+        for g in grads:
+            if g.numel():
+                flag = torch.maximum(flag, (~torch.isfinite(g)).any().to(flag.device, flag.dtype))
         if self.world_size > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+        return read_flag(flag)
 
     def _prepare_proxies(self, grads: list[torch.Tensor]) -> list[nn.Parameter]:
         """Give each proxy its gradient in the optimizer's dtype and device, unscaled."""
@@ -402,15 +402,15 @@ class Engine:
             proxies.append(proxy)
         return proxies
 
-    def _global_norm(self) -> float:
-        """The L2 norm of all gradients over all ranks, counting each element once."""
+    def _global_norm(self) -> torch.Tensor:
+        """The L2 norm of all gradients over all ranks, counting each element once (fp64, on the device)."""
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         for unit in self.units:
             if unit.counts_once() and unit.proxy.grad.numel():
                 total += unit.proxy.grad.double().pow(2).sum().to(self.device)
         if self.world_size > 1:
             dist.all_reduce(total)
-        return float(total.sqrt())
+        return total.sqrt()
 
     def zero_grad(self) -> None:
         """Clear accumulated gradients (buffers are kept and zeroed)."""
@@ -523,6 +523,11 @@ class Engine:
     def consolidated_state_dict(self) -> dict | None:
         """The full model state_dict, as a one-process model with every expert names it, on rank 0 (collective)."""
         return checkpoint.consolidated_state_dict(self)
+
+
+def read_flag(flag: torch.Tensor) -> bool:
+    """A device flag read on the host (a sync); the one place the engine's step reads a device value."""
+    return bool(flag.item())
 
 
 def _first_name(prefix: str, module: nn.Module) -> str:

@@ -57,8 +57,9 @@ class StepStats:
         model: the model whose modules with a `routing_stats` attribute are read.
     """
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, device: torch.device | str = "cpu"):
         self.layers = [(name, module) for name, module in model.named_modules() if hasattr(module, "routing_stats")]
+        self.device = torch.device(device)  # the model's: the all-reduce runs there (NCCL takes no CPU tensors)
         self._reset()
 
     def _reset(self) -> None:
@@ -89,8 +90,7 @@ class StepStats:
         Every rank must call it at the same step; layers that did not run on any rank are left out.
         """
         distributed = dist.is_available() and dist.is_initialized()
-        device = torch.device("cuda", torch.cuda.current_device()) if distributed and \
-            dist.get_backend(group) == "nccl" else torch.device("cpu")
+        device = self.device
         sizes = [module.num_experts for _, module in self.layers]
         loss = self._loss.to(device) if self._loss is not None else torch.zeros((), dtype=torch.float64, device=device)
         rows = [r.to(device) if r is not None else torch.zeros(3 + 2 * e, dtype=torch.float64, device=device)
@@ -100,7 +100,7 @@ class StepStats:
         self._reset()
         if distributed:
             dist.all_reduce(flat, group=group)
-        flat = flat.cpu()
+        flat = read_stats(flat)
         loss = float(flat[0] / flat[1]) if flat[1] else None
         layers, offset = [], 2
         for (name, _), e in zip(self.layers, sizes):
@@ -110,6 +110,11 @@ class StepStats:
                 layers.append(LayerStats(name, float(row[1] / row[0]), float(row[2] / row[0]),
                                          row[3:3 + e].clone(), row[3 + e:].clone()))
         return loss, layers
+
+
+def read_stats(flat: torch.Tensor) -> torch.Tensor:
+    """The step's summed statistics on the host: one read per optimizer step, only with TensorBoard on."""
+    return flat.cpu()
 
 
 class Monitor:

@@ -1,0 +1,137 @@
+"""One training step of the recipes' own models in a simulated world of GPUs (see tests/simulated/world.py).
+
+The GPT and CIFAR recipes' models, engine configs and `train_step` functions run on meta tensors
+under the fake process group at world 8 (ep 1, 2, 8) and 64 (ep 8), ZeRO stages 0-3, fp32, bf16 and
+fp16, and every expert layout. Each collective's tensors are checked to be on the model's device, a
+host read fails (meta has no values), and the packed and grouped layouts under expert parallelism
+make one host read per MoE layer and forward, supplied by `even_splits`.
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from moe import split_params_into_different_moe_groups_for_optimizer
+from optim import initialize
+from recipes import cifar, gpt
+from recipes.cli import engine_config
+from recipes.gpt_model import GPT
+from tests.simulated.world import META, even_splits, no_overflow_read, simulated_world, zero_stats_read
+
+def _own_process(request, world, stage) -> bool:
+    """Run this case in a fresh process; True when it did (the caller returns).
+
+    fully_shard at world 64 reuses a mesh of an earlier simulated world with the same layout (meshes
+    compare equal across worlds), whose process groups are gone; a real run has one world per process.
+    """
+    if world < 64 or stage != 3 or os.environ.get("MOE_SIMULATED_CHILD") == "1":
+        return False
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", request.node.nodeid],
+                          env={**os.environ, "MOE_SIMULATED_CHILD": "1"}, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    return True
+
+
+LAYOUTS = {"padded": dict(expert_compute="padded"), "grouped": dict(expert_compute="grouped"),
+           "packed": dict(expert_compute="packed"), "dropless": dict(dropless=True, expert_compute="auto")}
+
+
+def _gpt_step(monkeypatch, world, ep, stage, dtype, layout, rank):
+    cfg = gpt.TrainConfig(n_layer=2, n_head=2, n_embd=32, ffn=64, seq_len=16, batch_size=2, num_experts=8,
+                          top_k=2, ep_world_size=ep, stage=stage, dtype=dtype, steps=10, **LAYOUTS[layout])
+    with simulated_world(monkeypatch, world, rank) as log:
+        reads = even_splits(monkeypatch, cfg.batch_size * cfg.seq_len * cfg.top_k)
+        overflow_reads = no_overflow_read(monkeypatch)
+        stats_reads = zero_stats_read(monkeypatch)  # the recipe turns TensorBoard on
+        with META:  # built on the device, as parameters moved from CPU to meta would be new objects, untagged
+            model = GPT(gpt.model_config(cfg))
+        groups = split_params_into_different_moe_groups_for_optimizer(
+            {"params": list(model.parameters()), "name": "dense"})
+        engine, *_ = initialize(model, model_parameters=groups, config=engine_config(gpt.engine_fragments(cfg), set(), ""))
+        assert engine.device == META and all(p.device == META for p in model.parameters())
+        tokens = torch.randint(256, (cfg.batch_size, cfg.seq_len + 1))  # a CPU batch, as the recipe makes it
+        loss = gpt.train_step(engine, cfg, tokens[:, :-1], tokens[:, 1:])
+        assert loss.device == META and engine.global_steps == 1 and len(stats_reads) == 1
+        moe_layers = cfg.n_layer // cfg.moe_every
+        return log, reads, overflow_reads, moe_layers
+
+
+@pytest.mark.parametrize("world, ep", [(8, 1), (8, 2), (8, 8), (64, 8)])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16"])
+def test_gpt_step_padded(monkeypatch, request, world, ep, stage, dtype):
+    if _own_process(request, world, stage):
+        return
+    log, reads, overflow_reads, moe_layers = _gpt_step(monkeypatch, world, ep, stage, dtype, "padded", rank=world - 1)
+    assert reads == []  # the padded layout reads nothing from the device
+    assert len(overflow_reads) == (dtype == "fp16")  # the fp16 step's one read: the overflow flag
+    if ep > 1:  # dispatch and combine, forward and backward
+        assert log.count("all_to_all_single") == 4 * moe_layers
+    if stage == 3 and world > 1:
+        assert log.count("all_gather_single") > 0 and log.count("reduce_scatter_single") > 0
+
+
+@pytest.mark.parametrize("layout", ["grouped", "packed", "dropless"])
+@pytest.mark.parametrize("world, ep", [(8, 1), (8, 2), (64, 8)])
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_gpt_step_every_layout(monkeypatch, request, layout, world, ep, stage):
+    if _own_process(request, world, stage):
+        return
+    log, reads, _, moe_layers = _gpt_step(monkeypatch, world, ep, stage, "bf16", layout, rank=1)
+    if ep > 1:  # one read per MoE layer: the split sizes, after the counts are exchanged on the device
+        assert reads == ["exchange"] * moe_layers
+        assert log.count("all_to_all_single") == 5 * moe_layers  # the counts, then rows both ways, twice
+    elif layout == "packed":
+        assert reads == ["counts"] * moe_layers
+    else:  # grouped without expert parallelism: device offsets, no read
+        assert reads == []
+
+
+def _cifar_step(monkeypatch, world, ep, stage, dtype, rank):
+    cfg = cifar.CifarConfig(moe=True, ep_world_size=ep, num_experts=[8, 8], top_k=2, stage=stage, dtype=dtype,
+                            batch_size=4, moe_param_group=True)
+    with simulated_world(monkeypatch, world, rank) as log:
+        no_overflow_read(monkeypatch)
+        zero_stats_read(monkeypatch)
+        with META:
+            model = cifar.Net(cfg)
+        params = split_params_into_different_moe_groups_for_optimizer(
+            {"params": list(model.parameters()), "name": "parameters"})
+        engine, *_ = initialize(model, model_parameters=params,
+                                config=engine_config(cifar.engine_fragments(cfg), set(), ""))
+        images = cifar.normalise(torch.randint(256, (cfg.batch_size, 3, 32, 32), dtype=torch.uint8))
+        loss = cifar.train_step(engine, cfg, images, torch.randint(10, (cfg.batch_size,)))
+        assert loss.device == META and engine.global_steps == 1
+        return log
+
+
+@pytest.mark.parametrize("world, ep", [(8, 1), (8, 2), (8, 8), (64, 8)])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16"])
+def test_cifar_step(monkeypatch, request, world, ep, stage, dtype):
+    if _own_process(request, world, stage):
+        return
+    log = _cifar_step(monkeypatch, world, ep, stage, dtype, rank=world // 2)
+    if ep > 1:
+        assert log.count("all_to_all_single") == 4 * 2  # two MoE layers
+
+
+def test_a_cpu_tensor_handed_to_a_collective_is_caught(monkeypatch):
+    import torch.distributed as dist
+
+    with simulated_world(monkeypatch, 8, 0):
+        with pytest.raises(AssertionError, match="NCCL refuses it"):
+            dist.all_reduce(torch.zeros(2))
+
+
+def test_a_cpu_batch_meeting_the_model_fails_without_the_engine(monkeypatch):
+    """What the engine and train_step prevent: a CPU batch fed straight to a model on the device."""
+    cfg = cifar.CifarConfig(moe=True, num_experts=[4], batch_size=2)
+    with simulated_world(monkeypatch, 8, 0):
+        with META:
+            model = cifar.Net(cfg)
+        with pytest.raises((RuntimeError, NotImplementedError)):
+            model(torch.zeros(2, 3, 32, 32))
