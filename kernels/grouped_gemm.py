@@ -235,7 +235,10 @@ def grouped_mm_t(a_NP: torch.Tensor, b_NQ: torch.Tensor, counts) -> torch.Tensor
         out_LPQ: shape [L, P, Q], dtype of a_NP.
     """
     backend = _backend(a_NP)
-    if backend == "torch" and _torch_fits(a_NP, b_NQ) and a_NP.shape[0] % 8 == 0:
+    if backend == "torch" and _torch_fits(a_NP, b_NQ):
+        padding = -a_NP.shape[0] % 8  # the transposed operand's row stride must be a multiple of 8 rows
+        if padding:  # zero rows after the counted ones, which the offsets leave out
+            a_NP, b_NQ = (torch.cat([t, t.new_zeros(padding, t.shape[1])]) for t in (a_NP, b_NQ))
         return torch._grouped_mm(a_NP.t(), b_NQ, offs=_offsets(_device_counts(counts, a_NP.device)))
     if backend != "triton":
         return grouped_mm_t_reference(a_NP, b_NQ, counts)

@@ -60,7 +60,7 @@ def _scatter_kept(row_SK: torch.Tensor, values_P: torch.Tensor, num_rows: int, f
     """
     rows_P = row_SK.reshape(-1)
     out = torch.full((num_rows + 1,), fill, dtype=values_P.dtype, device=row_SK.device)
-    return out.scatter_(0, torch.where(rows_P >= 0, rows_P, num_rows), values_P)[:num_rows]
+    return out.scatter_(0, torch.where(rows_P >= 0, rows_P, num_rows), values_P).narrow(0, 0, num_rows)
 
 
 def _source_tokens(row_SK: torch.Tensor, num_rows: int) -> torch.Tensor:

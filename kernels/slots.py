@@ -38,7 +38,7 @@ def expert_positions_reference(expert_P: torch.Tensor, num_experts: int) -> tupl
     ranks_sorted = torch.arange(expert_P.numel(), device=expert_P.device) - starts[bucket_P[order]]
     position_P = torch.empty_like(ranks_sorted)
     position_P[order] = ranks_sorted
-    return counts[:num_experts], torch.where(routed, position_P, -1)
+    return counts.narrow(0, 0, num_experts), torch.where(routed, position_P, -1)
 
 
 def _count(bucket_P: torch.Tensor, num_buckets: int) -> torch.Tensor:

@@ -108,6 +108,5 @@ def run_experts_packed(experts, buffer_NM: torch.Tensor, exchange: Exchange, ep_
                                            output_size=received.shape[0])
     by_expert = torch.argsort(local_expert, stable=True)  # source order -> expert order
     y = experts(received.index_select(0, by_expert), exchange.local_counts, grouped_gemm=grouped_gemm)
-    in_source_order = torch.empty_like(by_expert)
-    in_source_order[by_expert] = torch.arange(by_expert.numel(), device=device)
+    in_source_order = torch.empty_like(by_expert).scatter_(0, by_expert, torch.arange(by_expert.numel(), device=device))
     return all_to_all(y.index_select(0, in_source_order), ep_group, exchange.send, exchange.recv)

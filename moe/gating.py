@@ -102,7 +102,7 @@ def _counts(expert: torch.Tensor, num_experts: int) -> torch.Tensor:
     """int64 choices per expert, -1 not counted; a scatter-add (a boolean mask or bincount would sync)."""
     index = expert.reshape(-1) + 1
     counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=expert.device)
-    return counts.scatter_add_(0, index, torch.ones_like(index))[1:]
+    return counts.scatter_add_(0, index, torch.ones_like(index)).narrow(0, 1, num_experts)
 
 
 def _balance_loss(gates_SE: torch.Tensor, counts_E: torch.Tensor, k: int) -> torch.Tensor:
@@ -169,7 +169,7 @@ def top1gating(
     priority = torch.rand(choice_S.shape, device=logits.device) if (use_rts and drop_tokens) else None
     slot_S = assign_slots(choice_S, num_experts, _slots_capacity(capacity, logits, 1), priority)
     l_aux = _balance_loss(gates_SE, exp_counts, 1)
-    return _plan(gates_SE, choice_S[:, None], slot_S[:, None], _resolver(capacity, exp_counts, ep_group), l_aux,
+    return _plan(gates_SE, choice_S.unsqueeze(1), slot_S.unsqueeze(1), _resolver(capacity, exp_counts, ep_group), l_aux,
                  exp_counts, _z_loss(logits), False)
 
 
@@ -199,16 +199,16 @@ def top2gating(
     gates_SE = F.softmax(logits, dim=1)
     first_S = torch.argmax(gates_SE, dim=1)
     scores = logits + _gumbel_like(logits) if top2_2nd_expert_sampling else logits
-    scores = scores.scatter(1, first_S[:, None], float("-inf"))
+    scores = scores.scatter(1, first_S.unsqueeze(1), float("-inf"))
     second_S = torch.argmax(scores, dim=1)
     expert_SK = torch.stack([first_S, second_S], 1)
     if used_token is not None:
         used_S = _mask_unused(first_S, used_token) >= 0
-        expert_SK = torch.where(used_S[:, None], expert_SK, -1)
+        expert_SK = torch.where(used_S.unsqueeze(1), expert_SK, -1)
     exp_counts = _counts(expert_SK.reshape(-1), num_experts)
     capacity = _capacity(logits, 2, capacity_factor, min_capacity, drop_tokens)
     slot_SK = assign_slots(expert_SK.t().reshape(-1), num_experts, _slots_capacity(capacity, logits, 2)).view(2, S).t()
-    l_aux = _balance_loss(gates_SE, _counts(expert_SK[:, 0], num_experts), 1)
+    l_aux = _balance_loss(gates_SE, _counts(expert_SK.select(1, 0), num_experts), 1)
     return _plan(gates_SE, expert_SK, slot_SK, _resolver(capacity, exp_counts, ep_group), l_aux, exp_counts,
                  _z_loss(logits), True)
 
@@ -240,8 +240,8 @@ def topkgating(
     gates_SE = F.softmax(logits, dim=1)
     top_gate_SK, expert_SK = torch.topk(gates_SE, k, dim=1)
     if used_token is not None:
-        used_S = _mask_unused(expert_SK[:, 0], used_token) >= 0
-        expert_SK = torch.where(used_S[:, None], expert_SK, -1)
+        used_S = _mask_unused(expert_SK.select(1, 0), used_token) >= 0
+        expert_SK = torch.where(used_S.unsqueeze(1), expert_SK, -1)
     exp_counts = _counts(expert_SK.reshape(-1), num_experts)
     capacity = _capacity(logits, k, capacity_factor, min_capacity, drop_tokens)
     priority = top_gate_SK.reshape(-1) if (drop_policy == "probs" and drop_tokens) else None

@@ -225,12 +225,12 @@ class _GroupedGemmMLP(torch.autograd.Function):
         expert_N = torch.searchsorted(torch.cumsum(counts_L, 0), row_N, right=True).clamp(max=weight1.shape[0] - 1)
         h_NH = grouped_mm(x_NM, weight1.transpose(1, 2), counts_L)
         if bias1 is not None:
-            h_NH += bias1[expert_N]
+            h_NH += bias1.index_select(0, expert_N)
         a_NH = torch.empty_like(h_NH)
         _activate(name, approximate, h_NH, a_NH)
         y_NM = grouped_mm(a_NH, weight2.transpose(1, 2), counts_L)
         if bias2 is not None:
-            y_NM += bias2[expert_N]
+            y_NM += bias2.index_select(0, expert_N)
         ctx.activation, ctx.has_bias = activation, bias1 is not None
         ctx.save_for_backward(x_NM, weight1, weight2, h_NH, a_NH, counts_L)
         return y_NM
@@ -249,9 +249,9 @@ class _GroupedGemmMLP(torch.autograd.Function):
         grad_b1 = grad_b2 = None
         if ctx.has_bias:  # per-expert sums without atomics; one more segment holds the padding rows
             padding = (x_NM.shape[0] - counts_L.sum()).reshape(1)
-            lengths = torch.cat([counts_L, padding])
-            grad_b2 = torch.segment_reduce(grad_y_NM.float(), "sum", lengths=lengths, unsafe=True)[:-1].to(weight2.dtype)
-            grad_b1 = torch.segment_reduce(grad_h_NH.float(), "sum", lengths=lengths, unsafe=True)[:-1].to(weight1.dtype)
+            lengths, L = torch.cat([counts_L, padding]), counts_L.shape[0]
+            grad_b2 = torch.segment_reduce(grad_y_NM.float(), "sum", lengths=lengths, unsafe=True).narrow(0, 0, L).to(weight2.dtype)
+            grad_b1 = torch.segment_reduce(grad_h_NH.float(), "sum", lengths=lengths, unsafe=True).narrow(0, 0, L).to(weight1.dtype)
         return grad_x_NM, grad_w1, grad_b1, grad_w2, grad_b2, None, None
 
 

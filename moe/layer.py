@@ -41,7 +41,7 @@ def _padded_rows(routing: Routing) -> tuple[torch.Tensor, int]:
 def _packed_rows(routing: Routing, counts_E: torch.Tensor) -> torch.Tensor:
     """Buffer row per (token, choice) with rows sorted by expert and no gaps, -1 where dropped."""
     offsets_E = torch.cumsum(counts_E, 0) - counts_E
-    row_SK = offsets_E[routing.expert_idx_SK.clamp(min=0)] + routing.slot_SK
+    row_SK = torch.take(offsets_E, routing.expert_idx_SK.clamp(min=0)) + routing.slot_SK
     return torch.where(routing.kept_SK, row_SK, -1)
 
 

@@ -59,7 +59,7 @@ class Routing:
         """int64 kept choices per expert after dropping, shape [E] (no host sync: counted by scatter-add)."""
         index = (self.expert_idx_SK + 1).reshape(-1)  # 0 collects the dropped choices
         counts = torch.zeros(self.num_experts + 1, dtype=torch.int64, device=index.device)
-        return counts.scatter_add_(0, index, torch.ones_like(index))[1:]
+        return counts.scatter_add_(0, index, torch.ones_like(index)).narrow(0, 1, self.num_experts)
 
     def dense(self) -> tuple[torch.Tensor, torch.Tensor]:
         """DeepSpeed's dense form, for tests and interop only: it allocates [S, E, C].
@@ -100,9 +100,8 @@ def assign_slots(
     """
     if priority_P is not None:  # rank each expert's choices by priority (ties: fill order), keep the top C
         order = torch.argsort(priority_P, descending=True, stable=True)
-        _, rank_in_order = expert_positions(expert_P[order], num_experts)
-        rank_P = torch.empty_like(rank_in_order)
-        rank_P[order] = rank_in_order
+        _, rank_in_order = expert_positions(expert_P.index_select(0, order), num_experts)
+        rank_P = torch.empty_like(rank_in_order).scatter_(0, order, rank_in_order)
         expert_P = torch.where((rank_P >= 0) & (rank_P < capacity), expert_P, -1)
     _, slot_P = expert_positions(expert_P, num_experts)
     return torch.where(slot_P < capacity, slot_P, -1)

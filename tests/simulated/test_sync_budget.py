@@ -1,0 +1,94 @@
+"""The host-sync budget of one MoE layer's forward and backward, counted on the CUDA code path.
+
+Counted on this CPU with the Triton kernels forced and interpreted (MOE_KERNELS=triton, the branches
+a GPU takes): the gate and the padded layout make no host sync; grouped stacked experts in one
+process make none (device offsets); packed in one process, and packed or grouped under expert
+parallelism, make exactly one per layer (the row counts). The input checks that would sync are
+opt-in (MOE_SYNC_CHECKS=1) and are counted too. The same layer also runs on the meta device,
+where any host read would raise.
+"""
+
+import pytest
+import torch
+from torch import nn
+
+from moe import MoE
+from parallel import reset_groups
+from tests.distributed import run_distributed
+from tests.simulated.sync_counter import count_syncs
+
+
+def _layer(compute, ep_size=1, **kwargs):
+    torch.manual_seed(0)
+    expert = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16))
+    return MoE(16, expert, num_experts=4, ep_size=ep_size, k=2, expert_compute=compute, min_capacity=0, **kwargs)
+
+
+def _count(layer, tokens=24, device="cpu"):
+    x = torch.randn(tokens, 16, device=device, requires_grad=True)
+    with count_syncs() as counter:
+        out, l_aux, _ = layer(x)
+        (out.square().sum() + l_aux).backward()
+    return counter.syncs
+
+
+@pytest.fixture
+def cuda_branches(monkeypatch):
+    monkeypatch.setenv("MOE_KERNELS", "triton")
+    monkeypatch.delenv("MOE_SYNC_CHECKS", raising=False)
+
+
+@pytest.mark.parametrize("k_kwargs", [dict(), dict(noisy_gate_policy="RSample"), dict(top2_2nd_expert_sampling=False)])
+def test_gate_and_padded_layout_make_no_sync(cuda_branches, k_kwargs):
+    assert _count(_layer("padded", **k_kwargs)) == []
+    top1 = MoE(16, nn.Sequential(nn.Linear(16, 8), nn.ReLU(), nn.Linear(8, 16)), num_experts=4, k=1,
+               expert_compute="padded", min_capacity=0, use_rts=True)
+    assert _count(top1) == []
+    top3 = MoE(16, nn.Sequential(nn.Linear(16, 8), nn.ReLU(), nn.Linear(8, 16)), num_experts=4, k=3,
+               expert_compute="padded", min_capacity=0)
+    assert _count(top3) == []
+
+
+def test_grouped_without_expert_parallelism_makes_no_sync(cuda_branches):
+    assert _count(_layer("grouped")) == []
+    assert _count(_layer("grouped", dropless=True)) == []
+
+
+def test_packed_and_dropless_padded_make_one_sync_per_layer(cuda_branches):
+    assert _count(_layer("packed")) == ["tolist"]  # the slice sizes
+    assert len(_count(_layer("padded", drop_tokens=False))) == 1  # the dropless capacity
+
+
+def test_opt_in_checks_are_the_only_other_syncs(cuda_branches, monkeypatch):
+    monkeypatch.setenv("MOE_SYNC_CHECKS", "1")
+    syncs = _count(_layer("padded"))
+    assert syncs and all(s == "aten._local_scalar_dense.default" for s in syncs)
+
+
+@pytest.mark.parametrize("compute", ["padded", "grouped"])
+def test_padded_and_grouped_layers_run_forward_and_backward_on_meta(compute, monkeypatch):
+    monkeypatch.setenv("MOE_KERNELS", "triton")
+    with torch.device("meta"):
+        layer = _layer(compute)
+    x = torch.randn(24, 16, device="meta", requires_grad=True)  # any host read here would raise
+    out, l_aux, _ = layer(x)
+    (out.square().sum() + l_aux).backward()
+    assert out.device.type == "meta" and layer.deepspeed_moe.experts.weight1.grad.shape == (4, 32, 16)
+
+
+def _expert_parallel_syncs(rank, world_size):
+    import os
+
+    os.environ["MOE_KERNELS"] = "triton"
+    os.environ["TRITON_INTERPRET"] = "1"
+    reset_groups()
+    for compute, kwargs in (("grouped", {}), ("packed", {}), ("grouped", dict(dropless=True)), ("padded", {})):
+        syncs = _count(_layer(compute, ep_size=world_size, **kwargs))
+        if compute == "padded":  # on the CPU the equal-token check reads the group's counts (free there)
+            assert syncs == ["tolist"] * 2, syncs
+        else:  # the split sizes, read once after the counts are exchanged on the device
+            assert syncs == ["tolist"], (compute, kwargs, syncs)
+
+
+def test_expert_parallel_layouts_make_one_sync_per_layer():
+    run_distributed(_expert_parallel_syncs, 2)
