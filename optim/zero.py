@@ -138,7 +138,8 @@ class FlatGroup:
             self.master = self.master.pin_memory()
         self.state_dtype = state_dtype
         self.swapped = state_dtype != master_dtype
-        self.proxy = nn.Parameter(self.master if state_dtype == master_dtype else torch.empty(0, dtype=state_dtype),
+        self.proxy = nn.Parameter(self.master if state_dtype == master_dtype
+                                  else torch.empty(0, dtype=state_dtype, device=self.master.device),
                                   requires_grad=True)
         # bf16 gradients accumulate over micro-batches in the master dtype (fp32 unless bf16 master
         # weights were asked for), as DeepSpeed's bf16 optimizer does: summing many bf16 micro-batch
@@ -296,7 +297,8 @@ class ShardedParam:
         self.master = param.detach().to_local()  # the live local shard, outside autograd
         self.state_dtype = state_dtype
         self.swapped = state_dtype != self.master.dtype
-        self.proxy = nn.Parameter(self.master if state_dtype == self.master.dtype else torch.empty(0, dtype=state_dtype),
+        self.proxy = nn.Parameter(self.master if state_dtype == self.master.dtype
+                                  else torch.empty(0, dtype=state_dtype, device=self.master.device),
                                   requires_grad=True)
         self.rows = param.shape[self.dim] if param.dim() else 1
         self.chunk = math.ceil(self.rows / self.group_size)

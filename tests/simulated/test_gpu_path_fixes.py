@@ -1,0 +1,124 @@
+"""The defects a first GPU run would have hit, each shown fixed (on CPU, gloo, or the simulated world)."""
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from moe import MoE
+from optim import initialize
+from optim.zero import shard_placement
+from parallel import expert_groups, groups_for_name, local_device, reset_groups
+from tests.distributed import run_distributed
+from tests.optim.models import Net, batch, config, loss_of
+from tests.simulated.world import META, simulated_world
+
+
+def test_groups_rebuilt_by_name_keep_their_layout(monkeypatch):
+    with simulated_world(monkeypatch, 8, 5):
+        built = expert_groups(2, use_data_before_expert_parallel=True)
+        expected = dist.get_process_group_ranks(built.ep_group)
+        reset_groups()
+        again = groups_for_name("ep_size_2", True)  # as the engine does from the parameters' tags
+        assert dist.get_process_group_ranks(again.ep_group) == expected == [1, 5]
+        with pytest.raises(ValueError, match="use_data_before_expert_parallel"):
+            groups_for_name("ep_size_2", False)
+
+
+def test_expert_parameters_carry_their_layout(monkeypatch):
+    with simulated_world(monkeypatch, 4, 0), torch.device("meta"):
+        layer = MoE(8, nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8)), num_experts=4, ep_size=2,
+                    use_data_before_expert_parallel=True)
+        assert all(p.use_data_before_expert_parallel for p in layer.deepspeed_moe.experts.parameters())
+
+
+def test_local_device_without_local_rank_spreads_ranks_over_gpus(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    monkeypatch.setenv("RANK", "6")
+    assert local_device() == torch.device("cuda", 2)
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    assert local_device() == torch.device("cuda", 3)
+    monkeypatch.setenv("LOCAL_RANK", "x")
+    with pytest.raises(ValueError, match="LOCAL_RANK must be a non-negative integer, got 'x'"):
+        local_device()
+
+
+def test_uneven_zero3_shards_go_on_dim_0():
+    place = shard_placement(8)
+    assert place(torch.empty(10, 84)).dim == 0  # fully_shard pads uneven shards on dim 0 only
+    assert place(torch.empty(10, 16)).dim == 1  # a dimension that divides keeps shards equal
+    assert place(torch.empty(16, 10)).dim == 0
+
+
+def test_router_stays_fp32_under_autocast():
+    torch.manual_seed(0)
+    layer = MoE(16, nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16)), num_experts=8, k=2,
+                top2_2nd_expert_sampling=False, min_capacity=0)
+    x = torch.randn(64, 16)
+    layer(x)
+    plain = layer.deepspeed_moe.routing
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        layer(x)
+    mixed = layer.deepspeed_moe.routing
+    assert torch.equal(plain.expert_idx_SK, mixed.expert_idx_SK)
+    assert torch.equal(plain.weight_SK, mixed.weight_SK)  # bit for bit: the logits were not computed in bf16
+
+
+def test_fp16_autocast_gets_a_loss_scaler():
+    engine, *_ = initialize(Net(), config=config(0, torch_autocast={"enabled": True, "dtype": "float16"}))
+    assert engine.scaler is not None and engine.loss_scale == 2.0**16
+    engine, *_ = initialize(Net(), config=config(0, torch_autocast={"enabled": True, "dtype": "bfloat16"}))
+    assert engine.scaler is None
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_bf16_gradients_accumulate_in_fp32(stage):
+    accumulation = 4
+    engine, *_ = initialize(Net(), config=config(stage, accumulation=accumulation, clip=0.0, bf16={"enabled": True}))
+    stepped = []
+    step = engine.optimizer.step
+    engine.optimizer.step = lambda: (stepped.extend(u.proxy.grad.clone() for u in engine.units), step())[1]
+    expected = {}
+    for micro in range(accumulation):
+        x, y = batch(0, micro, 0)
+        engine.backward(loss_of(engine(x), y))
+        for p in engine.module.parameters():  # each micro-batch's bf16 gradient, summed in fp32
+            expected[id(p)] = expected.get(id(p), 0) + p.grad.float()
+        engine.step()
+    for unit, grad in zip(engine.units, stepped):
+        assert grad.dtype == torch.float32
+        want = torch.cat([expected[id(info.param)].reshape(-1) for info in unit.infos])
+        torch.testing.assert_close(grad[:want.numel()], want, rtol=1e-6, atol=0)
+    low = initialize(Net(), config=config(stage, accumulation=1, bf16={
+        "enabled": True, "bf16_master_weights_and_grads": True}))[0]
+    assert all(u.grad().dtype == torch.bfloat16 for u in low.units)  # bf16 only when asked for
+
+
+def test_gloo_workaround_stays_off_elsewhere(monkeypatch):
+    from torch.distributed.fsdp import FSDPModule
+
+    calls = []
+    monkeypatch.setattr(FSDPModule, "set_force_sum_reduction_for_comms", lambda self, value: calls.append(value))
+    with simulated_world(monkeypatch, 8, 3):
+        with META:
+            model = Net(ep_size=2)
+        engine, *_ = initialize(model, config=config(3))
+        assert calls == []  # the fake backend stands for NCCL, which has PREMUL_SUM
+        out = engine(torch.randn(6, 8))  # a CPU batch: the engine moves it to the model's device
+        assert out[0].device == META
+
+
+def _unequal_tokens(rank, world_size):
+    reset_groups()
+    layer = MoE(8, nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8)), num_experts=4, ep_size=2,
+                min_capacity=0, expert_compute="padded")
+    with pytest.raises(ValueError, match="same number of tokens on every rank .* got between 6 and 7"):
+        layer(torch.randn(6 + rank, 8))
+    out, _, _ = layer(torch.randn(6, 8))  # equal counts still run
+    assert out.shape == (6, 8)
+
+
+def test_padded_expert_parallelism_with_unequal_token_counts_fails_on_every_rank():
+    run_distributed(_unequal_tokens, 2)
