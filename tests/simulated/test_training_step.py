@@ -19,7 +19,7 @@ from optim import initialize
 from recipes import cifar, gpt
 from recipes.cli import engine_config
 from recipes.gpt_model import GPT
-from tests.simulated.world import META, even_splits, no_overflow_read, simulated_world, zero_stats_read
+from tests.simulated.world import META, simulated_world
 
 def _own_process(request, world, stage) -> bool:
     """Run this case in a fresh process; True when it did (the caller returns).
@@ -42,10 +42,7 @@ LAYOUTS = {"padded": dict(expert_compute="padded"), "grouped": dict(expert_compu
 def _gpt_step(monkeypatch, world, ep, stage, dtype, layout, rank):
     cfg = gpt.TrainConfig(n_layer=2, n_head=2, n_embd=32, ffn=64, seq_len=16, batch_size=2, num_experts=8,
                           top_k=2, ep_world_size=ep, stage=stage, dtype=dtype, steps=10, **LAYOUTS[layout])
-    with simulated_world(monkeypatch, world, rank) as log:
-        reads = even_splits(monkeypatch, cfg.batch_size * cfg.seq_len * cfg.top_k)
-        overflow_reads = no_overflow_read(monkeypatch)
-        stats_reads = zero_stats_read(monkeypatch)  # the recipe turns TensorBoard on
+    with simulated_world(monkeypatch, world, rank, rows_per_rank=cfg.batch_size * cfg.seq_len * cfg.top_k) as log:
         with META:  # built on the device, as parameters moved from CPU to meta would be new objects, untagged
             model = GPT(gpt.model_config(cfg))
         groups = split_params_into_different_moe_groups_for_optimizer(
@@ -54,9 +51,11 @@ def _gpt_step(monkeypatch, world, ep, stage, dtype, layout, rank):
         assert engine.device == META and all(p.device == META for p in model.parameters())
         tokens = torch.randint(256, (cfg.batch_size, cfg.seq_len + 1))  # a CPU batch, as the recipe makes it
         loss = gpt.train_step(engine, cfg, tokens[:, :-1], tokens[:, 1:])
-        assert loss.device == META and engine.global_steps == 1 and len(stats_reads) == 1
+        assert loss.device == META and engine.global_steps == 1
+        assert log.reads.count("statistics") == 1  # the recipe turns TensorBoard on: one read per step
         moe_layers = cfg.n_layer // cfg.moe_every
-        return log, reads, overflow_reads, moe_layers
+        layout_reads = [r for r in log.reads.reads if r in ("counts", "exchange")]
+        return log, layout_reads, log.reads.count("overflow flag"), moe_layers
 
 
 @pytest.mark.parametrize("world, ep", [(8, 1), (8, 2), (8, 8), (64, 8)])
@@ -67,7 +66,7 @@ def test_gpt_step_padded(monkeypatch, request, world, ep, stage, dtype):
         return
     log, reads, overflow_reads, moe_layers = _gpt_step(monkeypatch, world, ep, stage, dtype, "padded", rank=world - 1)
     assert reads == []  # the padded layout reads nothing from the device
-    assert len(overflow_reads) == (dtype == "fp16")  # the fp16 step's one read: the overflow flag
+    assert overflow_reads == (dtype == "fp16")  # the fp16 step's one read: the overflow flag
     if ep > 1:  # dispatch and combine, forward and backward
         assert log.count("all_to_all_single") == 4 * moe_layers
     if stage == 3 and world > 1:
@@ -94,8 +93,6 @@ def _cifar_step(monkeypatch, world, ep, stage, dtype, rank):
     cfg = cifar.CifarConfig(moe=True, ep_world_size=ep, num_experts=[8, 8], top_k=2, stage=stage, dtype=dtype,
                             batch_size=4, moe_param_group=True)
     with simulated_world(monkeypatch, world, rank) as log:
-        no_overflow_read(monkeypatch)
-        zero_stats_read(monkeypatch)
         with META:
             model = cifar.Net(cfg)
         params = split_params_into_different_moe_groups_for_optimizer(

@@ -1,0 +1,138 @@
+"""A simulated world of GPUs on this CPU: the "fake" process group at any world size, the model on meta.
+
+The fake backend accepts every collective at any world size without moving data; meta tensors carry
+shapes and devices but no values, run forward and backward, and raise on a host read (`.item()`,
+`.tolist()`, `nonzero`) and when they meet a CPU tensor. So a training step on meta takes the branches
+a CUDA run takes (every `device.type == "cpu"` test is false; the Triton launchers are torch custom
+ops whose fake implementations give shapes) and fails where a GPU run would read a device value on
+the host. What it cannot show: values, speed, and the numbers a run must read on the host. Those
+reads go through a few named functions, which `HostReads` answers here:
+
+- the split sizes of packed and grouped layouts (`moe.expert_parallel.read_counts`, `read_exchange`):
+  every rank is taken to keep `rows_per_rank` rows per MoE layer, spread evenly;
+- the fp16 overflow flag (`optim.engine.read_flag`): no overflow;
+- TensorBoard's summed statistics (`optim.monitor.read_stats`): zeros.
+
+`simulated_world(world_size, rank)` also points the engine at the meta device and lets fully_shard
+work on a "meta" mesh (FSDP asks the mesh's device module for streams and its current device, which
+meta lacks, so the CPU's no-op stream module stands in; its check that no parameter is left on meta
+is skipped). Used by `recipes.estimate` and by the simulated GPU tests.
+"""
+
+import contextlib
+from dataclasses import dataclass, field
+from unittest import mock
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["META", "HostReads", "simulated_world"]
+
+META = torch.device("meta")
+
+
+def _spread(total: int, parts: int) -> list[int]:
+    return [total // parts + (i < total % parts) for i in range(parts)]
+
+
+@dataclass
+class HostReads:
+    """Answers, and records, the host reads of a simulated step.
+
+    Args:
+        rows_per_rank: rows each rank keeps per MoE layer (tokens x top-k without dropping).
+    """
+
+    rows_per_rank: int = 0
+    reads: list = field(default_factory=list)
+
+    def read_counts(self, counts_E: torch.Tensor) -> list[int]:
+        assert counts_E.device == META, f"counts on {counts_E.device}"
+        self.reads.append("counts")
+        return _spread(self.rows_per_rank, counts_E.shape[0])
+
+    def read_exchange(self, send_RL: torch.Tensor, recv_RL: torch.Tensor):
+        assert send_RL.device == META and recv_RL.device == META, "exchanged counts must stay on the device"
+        self.reads.append("exchange")
+        ranks, local = send_RL.shape
+        per_rank = _spread(self.rows_per_rank, ranks)
+        return per_rank, per_rank, _spread(self.rows_per_rank, local)
+
+    def read_flag(self, flag: torch.Tensor) -> bool:
+        assert flag.device == META, f"the overflow flag is on {flag.device}"
+        self.reads.append("overflow flag")
+        return False
+
+    def read_stats(self, flat: torch.Tensor) -> torch.Tensor:
+        assert flat.device == META, f"the statistics are on {flat.device}"
+        self.reads.append("statistics")
+        return torch.zeros(flat.shape, dtype=flat.dtype)
+
+    def count(self, what: str) -> int:
+        return self.reads.count(what)
+
+
+def _fsdp_on_meta(stack: contextlib.ExitStack) -> None:
+    from torch.distributed import device_mesh
+    from torch.distributed.fsdp._fully_shard import (
+        _fsdp_collectives, _fsdp_init, _fsdp_param_group, _fsdp_state, _fully_shard,
+    )
+
+    original = device_mesh._get_device_handle
+
+    def handle(device_type: str = "cuda"):
+        return torch.cpu if device_type == "meta" else original(device_type)
+
+    for module in (_fsdp_collectives, _fsdp_init, _fsdp_param_group, _fsdp_state):
+        if hasattr(module, "_get_device_handle"):
+            stack.enter_context(mock.patch.object(module, "_get_device_handle", handle))
+    stack.enter_context(mock.patch.object(_fully_shard, "_get_device_from_mesh",
+                                          lambda mesh: torch.device(mesh.device_type)))
+    stack.enter_context(mock.patch.object(_fsdp_param_group.FSDPParamGroup, "_validate_no_meta_params",
+                                          lambda self: None))
+
+
+def _clear_dtensor_caches() -> None:
+    """DTensor caches sharding decisions by mesh, and meshes of two worlds compare equal."""
+    from torch.distributed.tensor import DTensor, _collective_utils, _redistribute
+
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    for cached in (propagator.propagate_op_sharding, type(propagator)._propagate_tensor_meta_cached,
+                   _redistribute._gen_transform_infos, _collective_utils.MeshTopoInfo.build_from_mesh):
+        cached.cache_clear()
+
+
+@contextlib.contextmanager
+def simulated_world(world_size: int, rank: int = 0, rows_per_rank: int = 0):
+    """The fake process group of `world_size` (this process is `rank`), the engine on meta; yields HostReads.
+
+    Raises:
+        RuntimeError: a process group is already initialised.
+        ValueError: rank is not in [0, world_size).
+    """
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from moe import expert_parallel
+    from optim import engine, monitor
+    from parallel import reset_groups
+
+    if dist.is_initialized():
+        raise RuntimeError("a process group is already initialised; the simulated world needs its own process")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
+    reset_groups()
+    _clear_dtensor_caches()
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    reads = HostReads(rows_per_rank)
+    try:
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(mock.patch.object(engine, "local_device", lambda: META))
+            stack.enter_context(mock.patch.dict("os.environ", {"MOE_KERNELS": "triton"}))
+            for module, name in ((expert_parallel, "read_counts"), (expert_parallel, "read_exchange"),
+                                 (engine, "read_flag"), (monitor, "read_stats")):
+                stack.enter_context(mock.patch.object(module, name, getattr(reads, name)))
+            _fsdp_on_meta(stack)
+            yield reads
+    finally:
+        reset_groups()
+        dist.destroy_process_group()
