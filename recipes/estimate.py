@@ -1,0 +1,202 @@
+"""How much memory one GPT training step takes per GPU, found by running the step in a simulated world.
+
+    python -m recipes.estimate --n-layer 24 --n-embd 2048 --n-head 16 --ffn 8192 --num-experts 64 --top-k 2 \\
+        --seq-len 2048 --micro-batch 4 --world-size 64 --ep-world-size 8 --stage 3 --dtype bf16
+
+The GPT recipe's model is built on the meta device and trained for two steps through the real engine
+(ZeRO stage, precision, expert parallelism) under the "fake" process group at --world-size, as rank
+--rank (see recipes.simulated): no GPU and no memory are needed, and it runs in seconds to a minute
+on a CPU. Per rank it prints:
+- parameters, gradients and optimizer states (master weights included) held between steps, from
+  `engine.memory_breakdown()`, beside the ZeRO accounting for the same model;
+- activations: the bytes allocated by the second step's forward and still held when its backward
+  starts (what autograd saves, plus the gathered parameters stage 3 keeps for the backward);
+- the peak: model states plus the most bytes the step's own allocations held at once (activations,
+  gradients in flight, all-to-all buffers, gathered parameters, optimizer temporaries).
+Counted by watching every tensor storage created during the step until it is freed, as a caching
+allocator would hold it; allocator fragmentation, CUDA context (~0.5-1 GB) and NCCL buffers are not in it.
+Attention is counted as FlashAttention runs it on a GPU (no [T, T] scores kept); on meta, torch's
+attention would otherwise take its math path and keep them.
+"""
+
+import contextlib
+import dataclasses
+import sys
+import time
+import weakref
+from dataclasses import dataclass, field
+from unittest import mock
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from moe import split_params_into_different_moe_groups_for_optimizer
+from optim import initialize
+from recipes import gpt
+from recipes.cli import engine_config, fail, flag_parser
+from recipes.gpt_model import GPT
+from recipes.simulated import META, simulated_world
+
+GB = 1e9
+
+
+@dataclass(kw_only=True)
+class EstimateConfig:
+    n_layer: int = 4
+    n_head: int = 4
+    n_embd: int = 128
+    ffn: int = field(default=512, metadata={"help": "dense feed-forward width; experts get ffn / top-k"})
+    moe_every: int = field(default=2, metadata={"help": "MoE feed-forward in every n-th block"})
+    num_experts: int = 8
+    top_k: int = 2
+    expert_ffn: int = field(default=0, metadata={"help": "expert hidden width (0: ffn / top-k)"})
+    capacity_factor: float = 1.25
+    dropless: bool = False
+    expert_compute: str = field(default="auto", metadata={"choices": ["auto", "packed", "grouped", "padded"]})
+    seq_len: int = 128
+    micro_batch: int = field(default=32, metadata={"help": "sequences per micro-batch and GPU"})
+    world_size: int = field(default=8, metadata={"help": "GPUs in the simulated run"})
+    ep_world_size: int = 1
+    stage: int = field(default=0, metadata={"choices": [0, 1, 2, 3]})
+    dtype: str = field(default="bf16", metadata={"choices": ["fp32", "bf16", "fp16"]})
+    rank: int = field(default=0, metadata={"help": "the rank whose memory is measured"})
+    gpu_memory_gb: float = field(default=80.0, metadata={"help": "memory per GPU, for the verdict"})
+
+
+class _LiveBytes(TorchDispatchMode):
+    """Bytes of the tensor storages created under it that are still alive, and their peak."""
+
+    def __init__(self):
+        super().__init__()
+        self.live = self.peak = 0
+        self._seen: set[int] = set()
+
+    def _free(self, key: int, nbytes: int) -> None:
+        self._seen.discard(key)
+        self.live -= nbytes
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for tensor in tree_leaves(out):
+            if isinstance(tensor, torch.Tensor) and not hasattr(tensor, "to_local"):
+                storage = tensor.untyped_storage()
+                key = storage._cdata
+                if key not in self._seen:  # a new storage (views and in-place results share theirs)
+                    self._seen.add(key)
+                    self.live += storage.nbytes()
+                    self.peak = max(self.peak, self.live)
+                    weakref.finalize(storage, self._free, key, storage.nbytes())
+        return out
+
+
+def _flash_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **kwargs):
+    """SDPA as FlashAttention computes it (output and log-sum-exp saved, no scores), for the memory count."""
+    if attn_mask is not None:
+        raise ValueError("the estimate counts attention as FlashAttention, which takes no attention mask")
+    return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, dropout_p, is_causal, scale=scale)[0]
+
+
+def zero_accounting(stage: int, dtype: str, dense: int, expert: int, world: int, ep: int) -> dict[str, float]:
+    """Per-rank bytes of parameters, gradients and optimizer states by the ZeRO paper's accounting for this engine.
+
+    Bytes per parameter (P, G, K): fp32 4, 4, 8 (Adam); bf16 2, 4 (fp32 accumulation), 12 (fp32 master
+    + Adam); fp16 2, 2, 12; at stage 3 fully_shard keeps fp32 shards, 4, 4, 8. Dense parameters shard
+    over the world, expert parameters (this rank's experts) over the W / ep ranks holding the same ones.
+    """
+    bytes_pgk = {"fp32": (4, 4, 8), "bf16": (2, 4, 12), "fp16": (2, 2, 12)}[dtype] if stage < 3 else (4, 4, 8)
+    parts = {"parameters": 0.0, "gradients": 0.0, "optimizer_states": 0.0}
+    for psi, shards in ((dense, world), (expert, world // ep)):
+        for key, per, sharded in zip(parts, bytes_pgk, (stage >= 3, stage >= 2, stage >= 1)):
+            parts[key] += psi * per / (shards if sharded else 1)
+    return parts
+
+
+def _train_config(cfg: EstimateConfig) -> gpt.TrainConfig:
+    return gpt.TrainConfig(
+        n_layer=cfg.n_layer, n_head=cfg.n_head, n_embd=cfg.n_embd, ffn=cfg.ffn, moe_every=cfg.moe_every,
+        num_experts=cfg.num_experts, top_k=cfg.top_k, expert_ffn=cfg.expert_ffn, capacity_factor=cfg.capacity_factor,
+        dropless=cfg.dropless, expert_compute=cfg.expert_compute, seq_len=cfg.seq_len, batch_size=cfg.micro_batch,
+        ep_world_size=cfg.ep_world_size, stage=cfg.stage, dtype=cfg.dtype, steps=2, run_name="estimate",
+    )
+
+
+def estimate(cfg: EstimateConfig) -> dict:
+    """Run two simulated steps and measure this rank's memory (bytes); see the module docstring."""
+    train_cfg = _train_config(cfg)
+    rows = cfg.micro_batch * cfg.seq_len * cfg.top_k
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(simulated_world(cfg.world_size, cfg.rank, rows_per_rank=rows))
+        stack.enter_context(mock.patch("torch.nn.functional.scaled_dot_product_attention", _flash_attention))
+        with META:
+            model = GPT(gpt.model_config(train_cfg))
+        dense = sum(p.numel() for p in model.parameters() if getattr(p, "allreduce", True))
+        expert = sum(p.numel() for p in model.parameters() if not getattr(p, "allreduce", True))
+        groups = split_params_into_different_moe_groups_for_optimizer(
+            {"params": list(model.parameters()), "name": "dense"})
+        fragments = gpt.engine_fragments(train_cfg)
+        fragments.pop("run_name")  # no TensorBoard files from an estimate
+        engine, *_ = initialize(model, model_parameters=groups, config=engine_config(fragments, set(), ""))
+        tokens = torch.randint(256, (cfg.micro_batch, cfg.seq_len + 1))
+        gpt.train_step(engine, train_cfg, tokens[:, :-1], tokens[:, 1:])  # the optimizer states now exist
+        tracker, at_backward = _LiveBytes(), []
+        backward = engine.backward
+        engine.backward = lambda loss: (at_backward.append(tracker.live), backward(loss))[1]
+        with tracker:
+            gpt.train_step(engine, train_cfg, tokens[:, :-1], tokens[:, 1:])
+        states = engine.memory_breakdown()
+    model_states = {key: states[key] for key in ("parameters", "gradients", "optimizer_states")}
+    return {"model_states": model_states, "activations": at_backward[0], "step_peak": tracker.peak,
+            "peak": sum(model_states.values()) + tracker.peak, "dense_params": dense, "expert_params": expert,
+            "zero": zero_accounting(cfg.stage, cfg.dtype, dense, expert, cfg.world_size, cfg.ep_world_size)}
+
+
+def _size(nbytes: float) -> str:
+    return f"{nbytes / GB:>9.2f} GB" if nbytes >= 0.1 * GB else f"{nbytes / 1e6:>9.1f} MB"
+
+
+def _table(cfg: EstimateConfig, result: dict) -> str:
+    zero = result["zero"]
+    lines = [f"{'':<34}{'measured':>12}{'ZeRO formula':>15}"]
+    for key, label in (("parameters", "parameters"), ("gradients", "gradients"),
+                       ("optimizer_states", "optimizer states (+ fp32 master)")):
+        lines.append(f"{label:<34}{_size(result['model_states'][key])}   {_size(zero[key])}")
+    lines.append(f"{'activations (at backward)':<34}{_size(result['activations'])}")
+    lines.append(f"{'step allocations, peak':<34}{_size(result['step_peak'])}")
+    peak = result["peak"]
+    verdict = "fits" if peak <= cfg.gpu_memory_gb * GB else "does NOT fit"
+    lines.append(f"{'peak per GPU':<34}{_size(peak)}   {verdict} in {cfg.gpu_memory_gb:g} GB")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = flag_parser(EstimateConfig, __doc__)
+    parser.prog = "recipes.estimate"
+    cfg = EstimateConfig(**vars(parser.parse_args(sys.argv[1:] if argv is None else argv)))
+    for name in ("world_size", "ep_world_size", "micro_batch", "seq_len", "n_layer", "num_experts"):
+        if getattr(cfg, name) < 1:
+            fail(parser, f"--{name.replace('_', '-')} must be at least 1, got {getattr(cfg, name)}")
+    if cfg.world_size % cfg.ep_world_size:
+        fail(parser, f"--ep-world-size ({cfg.ep_world_size}) must divide --world-size ({cfg.world_size})")
+    if not 0 <= cfg.rank < cfg.world_size:
+        fail(parser, f"--rank must be between 0 and {cfg.world_size - 1}, got {cfg.rank}")
+    try:
+        gpt.model_config(_train_config(cfg))
+    except ValueError as error:
+        fail(parser, str(error))
+    start = time.perf_counter()
+    try:
+        result = estimate(cfg)
+    except (ValueError, RuntimeError) as error:
+        fail(parser, str(error))
+    print(f"GPT {cfg.n_layer} blocks x {cfg.n_embd}, {cfg.num_experts} experts top-{cfg.top_k}: "
+          f"{result['dense_params'] / 1e6:,.1f} M dense and {result['expert_params'] / 1e6:,.1f} M expert parameters "
+          f"on rank {cfg.rank}; world {cfg.world_size}, ep {cfg.ep_world_size}, ZeRO stage {cfg.stage}, {cfg.dtype}, "
+          f"micro-batch {cfg.micro_batch} x {cfg.seq_len} tokens")
+    print(_table(cfg, result))
+    print(f"(simulated in {time.perf_counter() - start:.1f} s; fragmentation, CUDA context and NCCL buffers not included)")
+    return {"config": dataclasses.asdict(cfg), **result}
+
+
+if __name__ == "__main__":
+    main()
