@@ -126,6 +126,7 @@ def _backend(t: torch.Tensor) -> str:
     return "triton" if use_triton(t) else "loop"
 
 
+@torch.compiler.assume_constant_result  # torch.compile calls it outside the graph: a try/except cannot be traced
 @functools.cache
 def _torch_grouped_mm_runs(device: torch.device, dtype: torch.dtype) -> bool:
     """torch's grouped GEMM is private and device-specific: one tiny trial of both forms."""

@@ -132,9 +132,10 @@ def _gather_rows(x_SM: torch.Tensor, token_N: torch.Tensor, scale_N: torch.Tenso
     buffer_NM = torch.index_select(x_SM, 0, token_N.clamp(min=0), out=out)
     if scale_N is not None:
         buffer_NM.mul_(scale_N.to(buffer_NM.dtype).unsqueeze(1))
-    if buffer_NM.device.type != "cpu":  # rows no choice points at are zero (a mask: no host sync)
+    if buffer_NM.device.type != "cpu" or torch.compiler.is_compiling():
+        # rows no choice points at are zero: a mask, no host sync (a compiled graph cannot read one)
         return buffer_NM.masked_fill_((token_N < 0).unsqueeze(1), 0)
-    empty_N = (token_N < 0).nonzero().squeeze(1)  # on the CPU a host read costs nothing and skips a pass
+    empty_N = (token_N < 0).nonzero().squeeze(1)  # eager on the CPU a host read costs nothing and skips a pass
     if empty_N.numel():
         buffer_NM.index_fill_(0, empty_N, 0)
     return buffer_NM

@@ -67,7 +67,9 @@ def empty(shape, dtype: torch.dtype, device: torch.device | str = "cpu") -> torc
     for size in shape:
         numel *= size
     nbytes = numel * torch.empty((), dtype=dtype).element_size()
-    if device.type != "cpu" or nbytes < _MIN_BYTES or not _enabled():
+    # Under torch.compile the pool's storage tricks (set_, use counts) cannot be traced; Inductor
+    # plans the graph's buffers itself.
+    if device.type != "cpu" or nbytes < _MIN_BYTES or not _enabled() or torch.compiler.is_compiling():
         return torch.empty(shape, dtype=dtype, device=device)
     _tune_malloc()
     with _lock:

@@ -23,20 +23,13 @@ import torch
 from torch import nn
 
 from moe.autocast import autocast_dtype
-from moe.grouped_mlp import grouped_mlp
+from moe.grouped_mlp import _ACTIVATION_FUNCTIONS, grouped_mlp
 from parallel import tag_expert_ids, tag_expert_parameters
 
 __all__ = ["Experts"]
 
 # Elementwise activation modules the stacked path runs itself, by name.
 _ACTIVATIONS = {nn.ReLU: "relu", nn.GELU: "gelu", nn.SiLU: "silu", nn.Tanh: "tanh", nn.Sigmoid: "sigmoid"}
-_ACTIVATION_FUNCTIONS = {
-    "relu": lambda h, approximate: torch.relu(h),
-    "gelu": lambda h, approximate: torch.nn.functional.gelu(h, approximate=approximate),
-    "silu": lambda h, approximate: torch.nn.functional.silu(h),
-    "tanh": lambda h, approximate: torch.tanh(h),
-    "sigmoid": lambda h, approximate: torch.sigmoid(h),
-}
 _STACKED_KEYS = ("weight1", "bias1", "weight2", "bias2")
 _MODULE_KEYS = ((0, "weight"), (0, "bias"), (2, "weight"), (2, "bias"))  # the same tensors in Sequential form
 

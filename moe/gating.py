@@ -72,10 +72,17 @@ def _capacity(
 
 
 def _resolver(capacity: int | None, exp_counts: torch.Tensor, ep_group):
-    """What Routing.capacity calls: the fixed capacity, or the dropless one found on demand."""
+    """What Routing.capacity calls: the fixed capacity, or the dropless one found on first demand and kept."""
     if capacity is not None:
         return lambda: capacity
-    return lambda: _largest_count(exp_counts, ep_group)
+    found = []  # the all-reduce and host sync happen once per routing, however often capacity is read
+
+    def resolve() -> int:
+        if not found:
+            found.append(_largest_count(exp_counts, ep_group))
+        return found[0]
+
+    return resolve
 
 
 def _slots_capacity(capacity: int | None, logits: torch.Tensor, k: int) -> int:

@@ -52,12 +52,20 @@ def _onednn_linear(dtype: torch.dtype):
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ weight^T + bias; x [n, in], weight [out, in]; through oneDNN on the CPU when available."""
-    op = _onednn_linear(x.dtype) if x.device.type == "cpu" else None
+    # compiled, Inductor chooses the CPU GEMM itself (and cannot trace the availability probe)
+    op = _onednn_linear(x.dtype) if x.device.type == "cpu" and not torch.compiler.is_compiling() else None
     if op is None:
         return F.linear(x, weight, bias)
     return op(x, weight, bias, "none", [], "")
 
 
+_ACTIVATION_FUNCTIONS = {
+    "relu": lambda h, approximate: torch.relu(h),
+    "gelu": lambda h, approximate: F.gelu(h, approximate=approximate),
+    "silu": lambda h, approximate: F.silu(h),
+    "tanh": lambda h, approximate: torch.tanh(h),
+    "sigmoid": lambda h, approximate: torch.sigmoid(h),
+}
 _NEEDS_INPUT = ("gelu", "silu")  # activations whose backward needs the pre-activation, not only the output
 
 
@@ -255,6 +263,21 @@ class _GroupedGemmMLP(torch.autograd.Function):
         return grad_x_NM, grad_w1, grad_b1, grad_w2, grad_b2, None, None
 
 
+def _traced_mlp(x_NM, weight1, bias1, weight2, bias2, counts: list[int], activation: str, approximate: str):
+    """Plain per-expert products for torch.compile, which differentiates and fuses them itself.
+
+    The autograd functions above manage memory and oneDNN primitives by hand (workspace buffers,
+    out= products, a module-level cache of reduction lengths); tracing cannot follow that, and
+    Inductor plans buffers and picks the CPU GEMM on its own.
+    """
+    outputs = []
+    for e, x in enumerate(x_NM.split(counts)):
+        h = F.linear(x, weight1[e], None if bias1 is None else bias1[e])
+        a = _ACTIVATION_FUNCTIONS[activation](h, approximate)
+        outputs.append(F.linear(a, weight2[e], None if bias2 is None else bias2[e]))
+    return torch.cat(outputs)
+
+
 def grouped_mlp(
     x_NM: torch.Tensor, weight1: torch.Tensor, bias1: torch.Tensor | None, weight2: torch.Tensor,
     bias2: torch.Tensor | None, counts: list[int], activation: str, approximate: str = "none",
@@ -288,6 +311,8 @@ def grouped_mlp(
                              f"use_grouped_gemm=True, got shape {list(counts.shape)}")
     elif len(counts) != weight1.shape[0] or sum(counts) != x_NM.shape[0]:
         raise ValueError(f"counts {counts} must have {weight1.shape[0]} entries summing to {x_NM.shape[0]}")
+    if torch.compiler.is_compiling() and not isinstance(counts, torch.Tensor):
+        return _traced_mlp(x_NM, weight1, bias1, weight2, bias2, counts, activation, approximate)
     if use_grouped_gemm:
         return _GroupedGemmMLP.apply(x_NM, weight1, bias1, weight2, bias2, counts, (activation, approximate))
     return _GroupedMLP.apply(x_NM, weight1, bias1, weight2, bias2, counts, (activation, approximate))

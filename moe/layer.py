@@ -106,7 +106,9 @@ class MOELayer(nn.Module):
                 exchange = expert_parallel.plan_exchange(counts_E, self.ep_size, self.ep_group)
                 buffer_NM = permute(x_SM, row_SK, sum(exchange.send))
                 y_NM = run_experts_packed(self.experts, buffer_NM, exchange, self.ep_group, grouped_gemm=grouped)
-            elif grouped and self.experts.stacked:
+            elif grouped and self.experts.stacked and not (torch.compiler.is_compiling() and x_SM.device.type == "cpu"):
+                # (compiled on the CPU, the grouped GEMM cannot be traced in fp32: its meta function
+                # takes bf16 only, so the branch below runs, with its one host read)
                 buffer_NM = permute(x_SM, row_SK, row_SK.numel())  # kept rows first, then zero padding rows
                 y_NM = self.experts(buffer_NM, counts_E, grouped_gemm=True)
             else:

@@ -10,7 +10,6 @@ builds DeepSpeed's dense form only for tests and interop.
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import cached_property
 
 import torch
 
@@ -30,7 +29,7 @@ class Routing:
         resolve_capacity: returns C, slots per expert; read through `capacity`. Without dropping, C
             is the largest expert count (max-reduced over the expert-parallel group), which costs a
             host sync, so it is found only when asked for (the padded layout asks; packed and
-            grouped never do).
+            grouped never do), and only once.
         num_experts: E.
         l_aux: the load-balancing loss, a scalar.
         exp_counts: int64 choices per expert before dropping, shape [E].
@@ -46,9 +45,13 @@ class Routing:
     exp_counts: torch.Tensor
     z_loss: torch.Tensor
 
-    @cached_property
+    @property
     def capacity(self) -> int:
-        """C, slots per expert (found once, on first use)."""
+        """C, slots per expert (the resolver finds the dropless one once, on first use).
+
+        A plain property, not functools.cached_property: on Python < 3.12 that takes an RLock, which
+        torch.compile cannot trace, so the padded layout could not compile in one graph.
+        """
         return self.resolve_capacity()
 
     @property

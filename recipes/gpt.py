@@ -52,6 +52,7 @@ class TrainConfig:
     ffn: int = field(default=512, metadata={"help": "dense feed-forward width; experts get ffn / top-k"})
     dropout: float = 0.0
     dense: bool = field(default=False, metadata={"help": "the dense twin: no MoE blocks"})
+    compile: bool = field(default=False, metadata={"help": "torch.compile the model (Inductor); the first steps compile"})
     moe_every: int = field(default=2, metadata={"help": "MoE feed-forward in every n-th block"})
     num_experts: int = 8
     top_k: int = 2
@@ -201,6 +202,8 @@ def train(cfg: TrainConfig, given: set[str], rank: int, world: int) -> dict:
         train_tokens, val_tokens = split_tokens(data, cfg.val_fraction, cfg.seq_len)
         model = GPT(model_config(cfg))
         total_params, active_params = model.parameter_counts()  # before stage 3 shards the parameters
+        if cfg.compile:  # in place, before the engine wraps it: parameter names, so checkpoints, stay the same
+            model.compile()
         groups = split_params_into_different_moe_groups_for_optimizer(
             {"params": list(model.parameters()), "name": "dense"})
         engine, *_ = initialize(model, model_parameters=groups, config=engine_config(engine_fragments(cfg), given,

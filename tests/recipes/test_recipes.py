@@ -193,3 +193,21 @@ def test_the_comparison_writes_its_table(tmp_path):
     assert moe["active"] - dense["active"] == 16 * 8 + 16  # the router, and a second output bias per token
     text = out.read_text()
     assert "| dense | " in text and "| MoE 8 experts, top-2 | " in text
+
+
+def test_gpt_compile_flag_compiles_the_model_in_place(tmp_path, monkeypatch):
+    # the eager backend: dynamo traces the model (graph breaks, guards) without Inductor's C++ build,
+    # which would take minutes here; tests/moe/test_compile.py covers Inductor itself
+    compiled = []
+    original = torch.nn.Module.compile
+
+    def compile_eager(self, *args, **kwargs):
+        compiled.append(type(self).__name__)
+        original(self, backend="eager")
+
+    monkeypatch.setattr(torch.nn.Module, "compile", compile_eager)
+    args = GPT_TINY + ["--steps", "3", "--eval-interval", "3", "--log-interval", "1", "--log-dir", str(tmp_path)]
+    plain = gpt.main(args)
+    result = gpt.main(args + ["--compile"])
+    assert compiled == ["GPT"]
+    _same_curve(result["history"]["train"], plain["history"]["train"])
