@@ -321,7 +321,10 @@ def main(argv: list[str] | None = None) -> dict:
     if rank == 0:
         print("config:", json.dumps(asdict(cfg)), f"processes={world}", flush=True)
     try:
-        return train(cfg, given, rank, world)
+        result = train(cfg, given, rank, world)
+        if dist.is_initialized():
+            dist.barrier()  # no rank tears its group down while a peer's last exchange is in flight
+        return result
     except SetupError as error:
         fail(parser, str(error))
     finally:

@@ -138,6 +138,7 @@ def main(argv=None) -> dict:
     elif rank == 0:
         print(f"final mse on rank 0 (mean of the last {cfg.log_interval} steps): MoE {moe_mse:.4f}")
     if dist.is_initialized():
+        dist.barrier()  # no rank tears its group down while a peer's last exchange is in flight
         dist.destroy_process_group()
     return result
 

@@ -288,6 +288,8 @@ def main(argv: list[str] | None = None) -> dict:
         print("config:", json.dumps(asdict(cfg)), f"processes={world}", flush=True)
     try:
         result = train(cfg, given, rank, world)
+        if dist.is_initialized():
+            dist.barrier()  # no rank tears its group down while a peer's last exchange is in flight
     except SetupError as error:
         fail(parser, str(error))
     finally:
