@@ -4,7 +4,7 @@ The GPT and CIFAR recipes' models, engine configs and `train_step` functions run
 under the fake process group at world 8 (ep 1, 2, 8) and 64 (ep 8), ZeRO stages 0-3, fp32, bf16 and
 fp16, and every expert layout. Each collective's tensors are checked to be on the model's device, a
 host read fails (meta has no values), and the packed and grouped layouts under expert parallelism
-make one host read per MoE layer and forward, supplied by `even_splits`.
+make one host read per MoE layer and forward, answered by `recipes.simulated.HostReads`.
 """
 
 import os
