@@ -74,12 +74,13 @@ def test_gpt_step_padded(monkeypatch, request, world, ep, stage, dtype):
 
 
 @pytest.mark.parametrize("layout", ["grouped", "packed", "dropless"])
-@pytest.mark.parametrize("world, ep", [(8, 1), (8, 2), (64, 8)])
-@pytest.mark.parametrize("stage", [0, 2, 3])
-def test_gpt_step_every_layout(monkeypatch, request, layout, world, ep, stage):
+@pytest.mark.parametrize("world, ep", [(8, 1), (8, 2), (8, 8), (64, 8)])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16"])
+def test_gpt_step_every_layout(monkeypatch, request, layout, world, ep, stage, dtype):
     if _own_process(request, world, stage):
         return
-    log, reads, _, moe_layers = _gpt_step(monkeypatch, world, ep, stage, "bf16", layout, rank=1)
+    log, reads, _, moe_layers = _gpt_step(monkeypatch, world, ep, stage, dtype, layout, rank=1)
     if ep > 1:  # one read per MoE layer: the split sizes, after the counts are exchanged on the device
         assert reads == ["exchange"] * moe_layers
         assert log.count("all_to_all_single") == 5 * moe_layers  # the counts, then rows both ways, twice
