@@ -69,7 +69,7 @@ def empty(shape, dtype: torch.dtype, device: torch.device | str = "cpu") -> torc
     nbytes = numel * torch.empty((), dtype=dtype).element_size()
     # Under torch.compile the pool's storage tricks (set_, use counts) cannot be traced; Inductor
     # plans the graph's buffers itself.
-    if device.type != "cpu" or nbytes < _MIN_BYTES or not _enabled() or torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or device.type != "cpu" or nbytes < _MIN_BYTES or not _enabled():
         return torch.empty(shape, dtype=dtype, device=device)
     _tune_malloc()
     with _lock:

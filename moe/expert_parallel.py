@@ -39,7 +39,8 @@ def check_equal_tokens(num_tokens: int, device: torch.device, ep_group) -> None:
         return
     bounds = torch.tensor([num_tokens, -num_tokens], dtype=torch.int64, device=device)
     dist.all_reduce(bounds, op=dist.ReduceOp.MAX, group=ep_group)
-    largest, smallest = bounds.tolist()[0], -bounds.tolist()[1]
+    largest, negative_smallest = bounds.tolist()
+    smallest = -negative_smallest
     if largest != smallest:
         raise ValueError(
             f"the padded (capacity) layout needs the same number of tokens on every rank of the expert-parallel "
@@ -89,13 +90,21 @@ def plan_exchange(counts_E: torch.Tensor, ep_size: int, ep_group) -> Exchange:
 def read_exchange(send_RL: torch.Tensor, recv_RL: torch.Tensor) -> tuple[list[int], list[int], list[int]]:
     """Rows sent to and received from each rank, and rows per local expert: the layer's one host read."""
     ranks = send_RL.shape[0]
-    host = torch.cat([send_RL.sum(1), recv_RL.sum(1), recv_RL.sum(0)]).tolist()
+    host = _sizes(torch.cat([send_RL.sum(1), recv_RL.sum(1), recv_RL.sum(0)]).tolist())
     return host[:ranks], host[ranks:2 * ranks], host[2 * ranks:]
 
 
 def read_counts(counts_E: torch.Tensor) -> list[int]:
     """Kept rows per expert on the host (one process, packed layout): the layer's one host read."""
-    return counts_E.tolist()
+    return _sizes(counts_E.tolist())
+
+
+def _sizes(counts: list) -> list:
+    """Counts known to be sizes: compiled with capture_scalar_outputs they are symbolic, and shapes need >= 0."""
+    if torch.compiler.is_compiling():
+        for count in counts:
+            torch._check(count >= 0)
+    return counts
 
 
 def run_experts_packed(experts, buffer_NM: torch.Tensor, exchange: Exchange, ep_group,

@@ -49,7 +49,7 @@ def local_device() -> torch.device:
     so ranks never all land on cuda:0.
 
     Raises:
-        ValueError: LOCAL_RANK or RANK is not a non-negative integer.
+        ValueError: LOCAL_RANK or RANK is not a non-negative integer, or LOCAL_RANK names no GPU here.
     """
     if not torch.cuda.is_available():
         return torch.device("cpu")
@@ -57,5 +57,7 @@ def local_device() -> torch.device:
     value = os.environ.get(name, "0")
     if not value.isdigit():
         raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
-    index = int(value) if name == "LOCAL_RANK" else int(value) % max(torch.cuda.device_count(), 1)
-    return torch.device("cuda", index)
+    count = max(torch.cuda.device_count(), 1)
+    if name == "LOCAL_RANK" and int(value) >= count:
+        raise ValueError(f"LOCAL_RANK ({value}) must be below the number of GPUs on this node ({count})")
+    return torch.device("cuda", int(value) % count)

@@ -176,6 +176,8 @@ def main(argv: list[str] | None = None) -> dict:
     for name in ("world_size", "ep_world_size", "micro_batch", "seq_len", "n_layer", "num_experts"):
         if getattr(cfg, name) < 1:
             fail(parser, f"--{name.replace('_', '-')} must be at least 1, got {getattr(cfg, name)}")
+    if not cfg.gpu_memory_gb > 0:
+        fail(parser, f"--gpu-memory-gb must be > 0, got {cfg.gpu_memory_gb}")
     if cfg.world_size % cfg.ep_world_size:
         fail(parser, f"--ep-world-size ({cfg.ep_world_size}) must divide --world-size ({cfg.world_size})")
     if not 0 <= cfg.rank < cfg.world_size:
@@ -189,7 +191,8 @@ def main(argv: list[str] | None = None) -> dict:
         result = estimate(cfg)
     except (ValueError, RuntimeError) as error:
         fail(parser, str(error))
-    print(f"GPT {cfg.n_layer} blocks x {cfg.n_embd}, {cfg.num_experts} experts top-{cfg.top_k}: "
+    kind = f"{cfg.num_experts} experts top-{cfg.top_k}" if cfg.moe_every else "dense (--moe-every 0)"
+    print(f"GPT {cfg.n_layer} blocks x {cfg.n_embd}, {kind}: "
           f"{result['dense_params'] / 1e6:,.1f} M dense and {result['expert_params'] / 1e6:,.1f} M expert parameters "
           f"on rank {cfg.rank}; world {cfg.world_size}, ep {cfg.ep_world_size}, ZeRO stage {cfg.stage}, {cfg.dtype}, "
           f"micro-batch {cfg.micro_batch} x {cfg.seq_len} tokens")

@@ -203,6 +203,9 @@ def train(cfg: TrainConfig, given: set[str], rank: int, world: int) -> dict:
         model = GPT(model_config(cfg))
         total_params, active_params = model.parameter_counts()  # before stage 3 shards the parameters
         if cfg.compile:  # in place, before the engine wraps it: parameter names, so checkpoints, stay the same
+            # the packed and grouped layouts' one host read (rows per expert) becomes symbolic sizes, so
+            # they compile whole instead of breaking the graph and recompiling as the counts change
+            torch._dynamo.config.capture_scalar_outputs = True
             model.compile()
         groups = split_params_into_different_moe_groups_for_optimizer(
             {"params": list(model.parameters()), "name": "dense"})

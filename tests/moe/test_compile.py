@@ -2,8 +2,10 @@
 
 The padded layout has no host read, so it compiles whole (fullgraph=True) with Inductor, forward and
 backward. The packed and grouped layouts read the kept counts on the host once per layer (slice
-sizes), which is their one graph break; they are compiled with the aot_eager backend (traced forward
-and backward, no code generation), because Inductor's C++ compilation takes about a minute per case
+sizes): with `torch._dynamo.config.capture_scalar_outputs = True` that read becomes symbolic sizes and
+they compile whole too (fullgraph); otherwise it is their one graph break per layer (counted with
+`nested_graph_breaks`; by default dynamo also breaks each enclosing frame at the call). They are
+compiled with the aot_eager backend (traced forward and backward, no code generation), because Inductor's C++ compilation takes about a minute per case
 on a 2-core CPU. Training mode throughout; random token selection and second-expert sampling stay on,
 with the same seed for both runs and Inductor's `fallback_random` so that it draws eager's numbers.
 Tolerance fp32 1e-5: Inductor may fuse and reorder sums (the gate's softmax and mean, the bias
@@ -62,13 +64,14 @@ def _assert_same(compiled, eager) -> None:
         assert torch.equal(got, want)
 
 
-def _compare(expert_compute: str, backend):
+def _compare(expert_compute: str, backend, fullgraph: bool | None = None):
     x_SM = torch.randn(24, 8, generator=torch.Generator().manual_seed(2))
     eager = _run(_stack(expert_compute), _step, x_SM)
     layers = _stack(expert_compute)
     assert bool((layers[0].deepspeed_moe.gate(x_SM).expert_idx_SK < 0).any()), "the test should drop choices"
     torch._dynamo.reset()
-    compiled = torch.compile(_step, backend=backend, fullgraph=expert_compute == "padded")
+    fullgraph = expert_compute == "padded" if fullgraph is None else fullgraph
+    compiled = torch.compile(_step, backend=backend, fullgraph=fullgraph)
     return _run(layers, compiled, x_SM), eager
 
 
@@ -95,3 +98,11 @@ def test_packed_and_grouped_break_once_per_layer(expert_compute):
     breaks = torch._dynamo.utils.counters["graph_break"]
     assert sum(breaks.values()) == 2 and all("_local_scalar_dense" in reason for reason in breaks), dict(breaks)
     assert 3 <= len(graphs) <= 4
+
+
+@pytest.mark.parametrize("expert_compute", ["packed", "grouped"])
+@mock.patch.object(torch._dynamo.config, "capture_scalar_outputs", True)
+def test_packed_and_grouped_compile_whole_with_symbolic_counts(expert_compute):
+    """With capture_scalar_outputs the host read becomes symbolic sizes: no break at all (fullgraph)."""
+    compiled, eager = _compare(expert_compute, "aot_eager", fullgraph=True)
+    _assert_same(compiled, eager)

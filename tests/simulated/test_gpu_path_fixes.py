@@ -40,6 +40,9 @@ def test_local_device_without_local_rank_spreads_ranks_over_gpus(monkeypatch):
     assert local_device() == torch.device("cuda", 2)
     monkeypatch.setenv("LOCAL_RANK", "3")
     assert local_device() == torch.device("cuda", 3)
+    monkeypatch.setenv("LOCAL_RANK", "4")
+    with pytest.raises(ValueError, match=r"LOCAL_RANK \(4\) must be below the number of GPUs on this node \(4\)"):
+        local_device()
     monkeypatch.setenv("LOCAL_RANK", "x")
     with pytest.raises(ValueError, match="LOCAL_RANK must be a non-negative integer, got 'x'"):
         local_device()
