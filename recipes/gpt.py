@@ -19,6 +19,7 @@ train and validation loss, learning rate, loss scale, l_aux, z-loss, dropped fra
 load per layer (histogram and an experts x layers heatmap), step time and tokens/s.
 """
 
+import contextlib
 import json
 import math
 import os
@@ -203,9 +204,6 @@ def train(cfg: TrainConfig, given: set[str], rank: int, world: int) -> dict:
         model = GPT(model_config(cfg))
         total_params, active_params = model.parameter_counts()  # before stage 3 shards the parameters
         if cfg.compile:  # in place, before the engine wraps it: parameter names, so checkpoints, stay the same
-            # the packed and grouped layouts' one host read (rows per expert) becomes symbolic sizes, so
-            # they compile whole instead of breaking the graph and recompiling as the counts change
-            torch._dynamo.config.capture_scalar_outputs = True
             model.compile()
         groups = split_params_into_different_moe_groups_for_optimizer(
             {"params": list(model.parameters()), "name": "dense"})
@@ -289,8 +287,12 @@ def main(argv: list[str] | None = None) -> dict:
     cfg, given = checked_config(parser, argv, world)
     if rank == 0:
         print("config:", json.dumps(asdict(cfg)), f"processes={world}", flush=True)
+    # compiled, the packed and grouped layouts' one host read (rows per expert) becomes symbolic sizes,
+    # so they compile whole instead of breaking the graph and recompiling as the counts change
+    compiling = torch._dynamo.config.patch(capture_scalar_outputs=True) if cfg.compile else contextlib.nullcontext()
     try:
-        result = train(cfg, given, rank, world)
+        with compiling:
+            result = train(cfg, given, rank, world)
         if dist.is_initialized():
             dist.barrier()  # no rank tears its group down while a peer's last exchange is in flight
     except SetupError as error:
