@@ -100,6 +100,9 @@ def _clear_dtensor_caches() -> None:
     for cached in (propagator.propagate_op_sharding, type(propagator)._propagate_tensor_meta_cached,
                    _redistribute._gen_transform_infos, _collective_utils.MeshTopoInfo.build_from_mesh):
         cached.cache_clear()
+    clear_native = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
+    if clear_native is not None:  # the C++ fast path keeps its own cache of sharding decisions
+        clear_native()
 
 
 @contextlib.contextmanager

@@ -7,10 +7,6 @@ host read fails (meta has no values), and the packed and grouped layouts under e
 make one host read per MoE layer and forward, answered by `recipes.simulated.HostReads`.
 """
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
@@ -20,20 +16,6 @@ from recipes import cifar, gpt
 from recipes.cli import engine_config
 from recipes.gpt_model import GPT
 from tests.simulated.world import META, simulated_world
-
-def _own_process(request, world, stage) -> bool:
-    """Run this case in a fresh process; True when it did (the caller returns).
-
-    fully_shard at world 64 reuses a mesh of an earlier simulated world with the same layout (meshes
-    compare equal across worlds), whose process groups are gone; a real run has one world per process.
-    """
-    if world < 64 or stage != 3 or os.environ.get("MOE_SIMULATED_CHILD") == "1":
-        return False
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", request.node.nodeid],
-                          env={**os.environ, "MOE_SIMULATED_CHILD": "1"}, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
-    return True
-
 
 LAYOUTS = {"padded": dict(expert_compute="padded"), "grouped": dict(expert_compute="grouped"),
            "packed": dict(expert_compute="packed"), "dropless": dict(dropless=True, expert_compute="auto")}
@@ -61,9 +43,7 @@ def _gpt_step(monkeypatch, world, ep, stage, dtype, layout, rank):
 @pytest.mark.parametrize("world, ep", [(8, 1), (8, 2), (8, 8), (64, 8)])
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 @pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16"])
-def test_gpt_step_padded(monkeypatch, request, world, ep, stage, dtype):
-    if _own_process(request, world, stage):
-        return
+def test_gpt_step_padded(monkeypatch, world, ep, stage, dtype):
     log, reads, overflow_reads, moe_layers = _gpt_step(monkeypatch, world, ep, stage, dtype, "padded", rank=world - 1)
     assert reads == []  # the padded layout reads nothing from the device
     assert overflow_reads == (dtype == "fp16")  # the fp16 step's one read: the overflow flag
@@ -77,9 +57,7 @@ def test_gpt_step_padded(monkeypatch, request, world, ep, stage, dtype):
 @pytest.mark.parametrize("world, ep", [(8, 1), (8, 2), (8, 8), (64, 8)])
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 @pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16"])
-def test_gpt_step_every_layout(monkeypatch, request, layout, world, ep, stage, dtype):
-    if _own_process(request, world, stage):
-        return
+def test_gpt_step_every_layout(monkeypatch, layout, world, ep, stage, dtype):
     log, reads, _, moe_layers = _gpt_step(monkeypatch, world, ep, stage, dtype, layout, rank=1)
     if ep > 1:  # one read per MoE layer: the split sizes, after the counts are exchanged on the device
         assert reads == ["exchange"] * moe_layers
@@ -109,9 +87,7 @@ def _cifar_step(monkeypatch, world, ep, stage, dtype, rank):
 @pytest.mark.parametrize("world, ep", [(8, 1), (8, 2), (8, 8), (64, 8)])
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 @pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16"])
-def test_cifar_step(monkeypatch, request, world, ep, stage, dtype):
-    if _own_process(request, world, stage):
-        return
+def test_cifar_step(monkeypatch, world, ep, stage, dtype):
     log = _cifar_step(monkeypatch, world, ep, stage, dtype, rank=world // 2)
     if ep > 1:
         assert log.count("all_to_all_single") == 4 * 2  # two MoE layers
