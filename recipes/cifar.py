@@ -197,18 +197,21 @@ def test(engine, images, labels, cfg: CifarConfig, rank: int, world: int) -> tup
     padded = -(-len(images) // step) * step
     index = torch.arange(padded) % len(images)
     counted = torch.arange(padded) < len(images)
-    totals = torch.zeros(2 + 20, dtype=torch.float64)  # loss sum, count, then correct and seen per class
+    # loss sum, count, then correct and seen per class: summed on the device, read once at the end
+    totals = torch.zeros(2 + 20, dtype=torch.float64, device=engine.device)
     for start in range(rank * cfg.batch_size, padded, step):
-        rows, keep = index[start:start + cfg.batch_size], counted[start:start + cfg.batch_size]
-        logits = engine(normalise(images[rows]).to(engine.device))[0].float().cpu()  # scored on the host
-        y = labels[rows]
-        totals[0] += F.cross_entropy(logits[keep], y[keep], reduction="sum").item() if keep.any() else 0.0
+        rows = index[start:start + cfg.batch_size]
+        keep = counted[start:start + cfg.batch_size].to(engine.device)
+        logits = engine(normalise(images[rows]).to(engine.device))[0].float()
+        y = labels[rows].to(engine.device)
+        losses = F.cross_entropy(logits, y, reduction="none")
+        totals[0] += torch.where(keep, losses, 0.0).sum()
         totals[1] += keep.sum()
-        hit = (logits.argmax(1) == y) & keep
-        totals[2:12] += torch.bincount(y[hit], minlength=10).double()
-        totals[12:22] += torch.bincount(y[keep], minlength=10).double()
+        hit = ((logits.argmax(1) == y) & keep).double()
+        totals[2:12].scatter_add_(0, y, hit)
+        totals[12:22].scatter_add_(0, y, keep.double())
     engine.train()
-    totals = torch.tensor(all_sum(*totals.tolist(), device=engine.device))
+    totals = torch.tensor(all_sum(*totals, device=engine.device))
     per_class = (totals[2:12] / totals[12:22].clamp(min=1)).tolist()
     return float(totals[0] / totals[1]), float(totals[2:12].sum() / totals[1]), per_class
 

@@ -172,12 +172,12 @@ def evaluate(engine, val: torch.Tensor, cfg: TrainConfig, rank: int, world: int)
     per_rank = math.ceil(cfg.eval_batches / world)
     starts = torch.linspace(0, len(val) - cfg.seq_len - 1, per_rank * world * cfg.batch_size).long()
     engine.eval()
-    total = count = 0.0
+    total, count = torch.zeros((), dtype=torch.float64, device=engine.device), 0  # summed on the device
     for j in range(per_rank):
         batch = (j * world + rank) * cfg.batch_size
         x, y = (t.to(engine.device) for t in windows(val, starts[batch:batch + cfg.batch_size], cfg.seq_len))
         logits = engine(x)[0]
-        total += F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="sum").item()
+        total += F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="sum")
         count += y.numel()
     engine.train()
     total, count = all_sum(total, count, device=engine.device)

@@ -11,7 +11,8 @@ reads go through a few named functions, which `HostReads` answers here:
 - the split sizes of packed and grouped layouts (`moe.expert_parallel.read_counts`, `read_exchange`):
   every rank is taken to keep `rows_per_rank` rows per MoE layer, spread evenly;
 - the fp16 overflow flag (`optim.engine.read_flag`): no overflow;
-- TensorBoard's summed statistics (`optim.monitor.read_stats`): zeros.
+- TensorBoard's summed statistics (`optim.monitor.read_stats`): zeros;
+- the recipes' evaluation sums (`recipes.training.read_sums`): ones.
 
 `simulated_world(world_size, rank)` also points the engine at the meta device and lets fully_shard
 work on a "meta" mesh (FSDP asks the mesh's device module for streams and its current device, which
@@ -68,6 +69,11 @@ class HostReads:
         self.reads.append("statistics")
         return torch.zeros(flat.shape, dtype=flat.dtype)
 
+    def read_sums(self, tensor: torch.Tensor) -> list[float]:
+        assert tensor.device == META, f"the recipe's sums are on {tensor.device}"
+        self.reads.append("sums")
+        return [1.0] * tensor.numel()  # no values on meta: ones keep the recipe's divisions finite
+
     def count(self, what: str) -> int:
         return self.reads.count(what)
 
@@ -118,6 +124,7 @@ def simulated_world(world_size: int, rank: int = 0, rows_per_rank: int = 0):
     from moe import expert_parallel
     from optim import engine, monitor
     from parallel import reset_groups
+    from recipes import training
 
     if dist.is_initialized():
         raise RuntimeError("a process group is already initialised; the simulated world needs its own process")
@@ -132,7 +139,7 @@ def simulated_world(world_size: int, rank: int = 0, rows_per_rank: int = 0):
             stack.enter_context(mock.patch.object(engine, "local_device", lambda: META))
             stack.enter_context(mock.patch.dict("os.environ", {"MOE_KERNELS": "triton"}))
             for module, name in ((expert_parallel, "read_counts"), (expert_parallel, "read_exchange"),
-                                 (engine, "read_flag"), (monitor, "read_stats")):
+                                 (engine, "read_flag"), (monitor, "read_stats"), (training, "read_sums")):
                 stack.enter_context(mock.patch.object(module, name, getattr(reads, name)))
             _fsdp_on_meta(stack)
             yield reads

@@ -11,13 +11,17 @@ class SetupError(Exception):
     """A bad value found while building data, model or engine: reported in one line like a bad flag."""
 
 
-def all_sum(*values: float, device: torch.device | str = "cpu") -> list[float]:
-    """Each value summed over all processes (one all-reduce on `device`, the model's: NCCL takes no
-    CPU tensors; plain values in one process)."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return [float(v) for v in values]
-    tensor = torch.tensor(values, dtype=torch.float64, device=device)
-    dist.all_reduce(tensor)
+def all_sum(*values, device: torch.device | str = "cpu") -> list[float]:
+    """Each value (a number or a one-element tensor) summed over all processes: one all-reduce on
+    `device`, the model's (NCCL takes no CPU tensors), then one host read."""
+    tensor = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=device).reshape(()) for v in values])
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(tensor)
+    return read_sums(tensor)
+
+
+def read_sums(tensor: torch.Tensor) -> list[float]:
+    """The summed values on the host: the recipes' evaluation reads device values here only."""
     return tensor.tolist()
 
 

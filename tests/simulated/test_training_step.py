@@ -109,3 +109,25 @@ def test_a_cpu_batch_meeting_the_model_fails_without_the_engine(monkeypatch):
             model = cifar.Net(cfg)
         with pytest.raises((RuntimeError, NotImplementedError)):
             model(torch.zeros(2, 3, 32, 32))
+
+
+@pytest.mark.parametrize("world, ep, stage", [(8, 2, 3), (64, 8, 2)])
+def test_recipe_evaluation_runs_on_the_device(monkeypatch, world, ep, stage):
+    """The GPT recipe's evaluate and the CIFAR recipe's test: batches moved, sums kept on the device, one read."""
+    cfg = gpt.TrainConfig(n_layer=2, n_head=2, n_embd=32, ffn=64, seq_len=16, batch_size=2, num_experts=8,
+                          ep_world_size=ep, stage=stage, eval_batches=world * 2)
+    with simulated_world(monkeypatch, world, 1) as log:
+        with META:
+            model = GPT(gpt.model_config(cfg))
+        engine, *_ = initialize(model, config=engine_config(gpt.engine_fragments(cfg), set(), ""))
+        val = torch.randint(256, (4096,))
+        assert gpt.evaluate(engine, val, cfg, 1, world) == 1.0  # the simulated read answers ones
+        assert log.reads.count("sums") == 1
+    cifar_cfg = cifar.CifarConfig(moe=True, ep_world_size=ep, num_experts=[8], stage=stage, batch_size=4)
+    with simulated_world(monkeypatch, world, 1) as log:
+        with META:
+            model = cifar.Net(cifar_cfg)
+        engine, *_ = initialize(model, config=engine_config(cifar.engine_fragments(cifar_cfg), set(), ""))
+        images, labels = torch.randint(256, (40, 3, 32, 32), dtype=torch.uint8), torch.randint(10, (40,))
+        loss, accuracy, per_class = cifar.test(engine, images, labels, cifar_cfg, 1, world)
+        assert log.reads.count("sums") == 1 and len(per_class) == 10
