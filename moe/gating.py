@@ -7,6 +7,10 @@ checks). Semantics follow DeepSpeed-MoE:
 capacity C = max(ceil(S / E * capacity_factor * k), min_capacity); with drop_tokens=False, C is the
 largest per-expert count (max-reduced over the expert-parallel group) and nothing is dropped. Where
 DeepSpeed leaves an order open (ties, which tokens keep their slot), ours is first-come by token index.
+
+`topkgating` also carries the routers of current MoE models (names follow DeepSeek-V3's config):
+sigmoid scoring, an expert bias for auxiliary-loss-free balancing, group-limited routing, optional
+weight normalisation and scaling; and every policy takes a `load_balancing_type` (moe.balancing).
 """
 
 import math
@@ -17,10 +21,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from kernels import sync_checks
-from moe.autocast import no_autocast
+from moe.balancing import balance_loss, choice_counts, normalized_scores
 from moe.routing import Routing, assign_slots
 
-__all__ = ["TopKGate", "TopKGateConfig", "top1gating", "top2gating", "topkgating"]
+__all__ = ["SCORING_FUNCS", "top1gating", "top2gating", "topkgating"]
+
+SCORING_FUNCS = ("softmax", "sigmoid")
 
 NOISY_GATE_POLICIES = (None, "Jitter", "RSample")
 DROP_POLICIES = ("probs", "position")
@@ -105,13 +111,6 @@ def _mask_unused(choice_S: torch.Tensor, used_token: torch.Tensor | None) -> tor
     return torch.where(used != 0, choice_S, -1)
 
 
-def _counts(expert: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """int64 choices per expert, -1 not counted; a scatter-add (a boolean mask or bincount would sync)."""
-    index = expert.reshape(-1) + 1
-    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=expert.device)
-    return counts.scatter_add_(0, index, torch.ones_like(index)).narrow(0, 1, num_experts)
-
-
 def _balance_loss(gates_SE: torch.Tensor, counts_E: torch.Tensor, k: int) -> torch.Tensor:
     """l_aux = E * sum_e mean_s(gates[s, e]) * frac_e, frac_e = counts_e / (S * k)."""
     num_tokens, num_experts = gates_SE.shape
@@ -126,25 +125,34 @@ def _z_loss(logits_SE: torch.Tensor) -> torch.Tensor:
 
 
 def _plan(
-    gates_SE, expert_SK, slot_SK, resolve_capacity, l_aux, exp_counts, z_loss, renormalize: bool
+    scores_SE, expert_SK, slot_SK, resolve_capacity, l_aux, exp_counts, z_loss, renormalize: bool,
+    scaling: float = 1.0, max_rows: int | None = None,
 ) -> Routing:
-    """Mask dropped choices and read their weights from the gates (renormalised for top-2 and top-k)."""
+    """Mask dropped choices and read their weights from the scores (renormalised over kept choices, scaled)."""
     kept_SK = slot_SK >= 0
     expert_SK = torch.where(kept_SK, expert_SK, -1)
-    weight_SK = gates_SE.gather(1, expert_SK.clamp(min=0)) * kept_SK
+    weight_SK = scores_SE.gather(1, expert_SK.clamp(min=0)) * kept_SK
     if renormalize:
         denom_S1 = weight_SK.sum(1, keepdim=True).clamp(min=torch.finfo(weight_SK.dtype).eps)
         weight_SK = weight_SK / denom_S1
+    if scaling != 1.0:
+        weight_SK = weight_SK * scaling
     return Routing(
         expert_idx_SK=expert_SK, slot_SK=torch.where(kept_SK, slot_SK, -1), weight_SK=weight_SK,
-        resolve_capacity=resolve_capacity, num_experts=gates_SE.shape[1], l_aux=l_aux,
-        exp_counts=exp_counts.detach(), z_loss=z_loss,
+        resolve_capacity=resolve_capacity, num_experts=scores_SE.shape[1], l_aux=l_aux,
+        exp_counts=exp_counts.detach(), z_loss=z_loss, max_rows=max_rows,
     )
+
+
+def _max_rows(capacity: int | None, num_tokens: int, k: int, num_experts: int) -> int:
+    """A bound on kept rows known without a host sync: S * k, or E * C when the capacity is fixed."""
+    return num_tokens * k if capacity is None else min(num_tokens * k, num_experts * capacity)
 
 
 def top1gating(
     logits: torch.Tensor, capacity_factor: float, min_capacity: int, used_token: torch.Tensor | None = None,
-    noisy_gate_policy: str | None = None, drop_tokens: bool = True, use_rts: bool = True, ep_group=None,
+    noisy_gate_policy: str | None = None, drop_tokens: bool = True, use_rts: bool = True, ep_group=None, *,
+    load_balancing_type: str = "aux_loss", seq_len: int | None = None, global_counts=None,
 ) -> Routing:
     """Top-1 gating (Switch): each token goes to its most probable expert.
 
@@ -157,6 +165,8 @@ def top1gating(
         drop_tokens: drop choices beyond capacity; if False, capacity is the largest expert count.
         use_rts: random token selection: over capacity, keep tokens of random priority, not the first.
         ep_group: expert-parallel group over which the dropless capacity is max-reduced.
+        load_balancing_type, seq_len, global_counts: the balance loss, see `moe.balancing.balance_loss`;
+            "aux_loss" is DeepSpeed's top-1 loss.
 
     Returns:
         Routing with K = 1; weights are the gate probabilities (not renormalised).
@@ -171,18 +181,20 @@ def top1gating(
     scores = logits + _gumbel_like(logits) if noisy_gate_policy == "RSample" else gates_SE
     choice_S = _mask_unused(torch.argmax(scores, dim=1), used_token)
     num_experts = logits.shape[1]
-    exp_counts = _counts(choice_S, num_experts)
+    exp_counts = choice_counts(choice_S, num_experts)
     capacity = _capacity(logits, 1, capacity_factor, min_capacity, drop_tokens)
     priority = torch.rand(choice_S.shape, device=logits.device) if (use_rts and drop_tokens) else None
     slot_S = assign_slots(choice_S, num_experts, _slots_capacity(capacity, logits, 1), priority)
-    l_aux = _balance_loss(gates_SE, exp_counts, 1)
+    l_aux = balance_loss(load_balancing_type, gates_SE, choice_S.unsqueeze(1), seq_len=seq_len,
+                         global_counts=global_counts, default=lambda: _balance_loss(gates_SE, exp_counts, 1))
     return _plan(gates_SE, choice_S.unsqueeze(1), slot_S.unsqueeze(1), _resolver(capacity, exp_counts, ep_group), l_aux,
-                 exp_counts, _z_loss(logits), False)
+                 exp_counts, _z_loss(logits), False, max_rows=_max_rows(capacity, logits.shape[0], 1, num_experts))
 
 
 def top2gating(
     logits: torch.Tensor, capacity_factor: float, min_capacity: int, drop_tokens: bool = True, ep_group=None,
     top2_2nd_expert_sampling: bool = True, *, used_token: torch.Tensor | None = None,
+    load_balancing_type: str = "aux_loss", seq_len: int | None = None, global_counts=None,
 ) -> Routing:
     """Top-2 gating (GShard): the most probable expert, then a second one sampled from the rest.
 
@@ -194,6 +206,8 @@ def top2gating(
         capacity_factor, min_capacity, drop_tokens, ep_group: as in `top1gating`, with k = 2.
         top2_2nd_expert_sampling: add Gumbel noise to the logits before picking the second expert.
         used_token: optional [S] mask; tokens where it is 0 are routed nowhere.
+        load_balancing_type, seq_len, global_counts: as in `top1gating`; "aux_loss" is DeepSpeed's
+            top-2 loss (first choices only), the other types count both choices.
 
     Returns:
         Routing with K = 2.
@@ -212,169 +226,123 @@ def top2gating(
     if used_token is not None:
         used_S = _mask_unused(first_S, used_token) >= 0
         expert_SK = torch.where(used_S.unsqueeze(1), expert_SK, -1)
-    exp_counts = _counts(expert_SK.reshape(-1), num_experts)
+    exp_counts = choice_counts(expert_SK.reshape(-1), num_experts)
     capacity = _capacity(logits, 2, capacity_factor, min_capacity, drop_tokens)
     slot_SK = assign_slots(expert_SK.t().reshape(-1), num_experts, _slots_capacity(capacity, logits, 2)).view(2, S).t()
-    l_aux = _balance_loss(gates_SE, _counts(expert_SK.select(1, 0), num_experts), 1)
+    l_aux = balance_loss(
+        load_balancing_type, gates_SE, expert_SK, seq_len=seq_len, global_counts=global_counts,
+        default=lambda: _balance_loss(gates_SE, choice_counts(expert_SK.select(1, 0), num_experts), 1),
+    )
     return _plan(gates_SE, expert_SK, slot_SK, _resolver(capacity, exp_counts, ep_group), l_aux, exp_counts,
-                 _z_loss(logits), True)
+                 _z_loss(logits), True, max_rows=_max_rows(capacity, S, 2, num_experts))
+
+
+def _limit_groups(select_SE: torch.Tensor, n_group: int, topk_group: int) -> torch.Tensor:
+    """Group-limited routing (DeepSeek-V2/V3): keep each token's topk_group groups of experts, ranked by the
+    sum of the two highest selection scores in the group; the other experts' scores become -inf."""
+    S, num_experts = select_SE.shape
+    select_SGX = select_SE.view(S, n_group, num_experts // n_group)
+    group_score_SG = select_SGX.topk(min(2, select_SGX.shape[2]), dim=2).values.sum(2)
+    keep_SG = torch.zeros_like(group_score_SG, dtype=torch.bool)
+    keep_SG = keep_SG.scatter(1, _stable_topk(group_score_SG, topk_group), True)
+    return select_SGX.masked_fill(~keep_SG.unsqueeze(2), float("-inf")).view(S, num_experts)
+
+
+def _stable_topk(scores_SX: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the k largest entries per row, ties to the lower index (torch.topk leaves ties open)."""
+    return torch.argsort(scores_SX, dim=1, descending=True, stable=True).narrow(1, 0, k)
+
+
+def _check_group_limit(num_experts: int, k: int, n_group: int | None, topk_group: int | None) -> None:
+    """n_group must divide E and the kept groups must hold at least k experts."""
+    if n_group is None and topk_group is None:
+        return
+    if n_group is None or topk_group is None:
+        raise ValueError(f"group-limited routing needs both n_group and topk_group, got n_group={n_group}, "
+                         f"topk_group={topk_group}")
+    for name, value in (("n_group", n_group), ("topk_group", topk_group)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name} must be an int, got {value!r}")
+    if n_group < 1 or num_experts % n_group:
+        raise ValueError(f"n_group ({n_group}) must divide num_experts ({num_experts})")
+    if not 1 <= topk_group <= n_group:
+        raise ValueError(f"topk_group ({topk_group}) must be between 1 and n_group ({n_group})")
+    if topk_group * (num_experts // n_group) < k:
+        raise ValueError(f"topk_group * (num_experts / n_group) = {topk_group} * {num_experts // n_group} must be "
+                         f">= k ({k}): the kept groups must hold k experts")
 
 
 def topkgating(
     logits: torch.Tensor, k: int, capacity_factor: float, min_capacity: int, drop_tokens: bool = True,
     ep_group=None, drop_policy: str = "probs", *, used_token: torch.Tensor | None = None,
+    scoring_func: str = "softmax", norm_topk_prob: bool = True, routed_scaling_factor: float = 1.0,
+    expert_bias: torch.Tensor | None = None, n_group: int | None = None, topk_group: int | None = None,
+    load_balancing_type: str = "aux_loss", seq_len: int | None = None, global_counts=None,
 ) -> Routing:
-    """Top-k gating: the k most probable experts per token, weights renormalised over kept choices.
+    """Top-k gating: the k highest-scoring experts per token.
+
+    Scores are s = softmax(logits) or sigmoid(logits). Selection ranks s + expert_bias (the bias only
+    steers selection), limited to the token's best groups with n_group; the weights are the selected
+    s, divided by their sum over the kept choices when norm_topk_prob, times routed_scaling_factor.
 
     Args:
         logits: gate logits, shape [S, E]; cast to fp32.
         k: choices per token, 1 <= k <= E.
         capacity_factor, min_capacity, drop_tokens, ep_group: as in `top1gating`.
-        drop_policy: over capacity, "probs" keeps each expert's C choices of largest gate probability,
-            "position" keeps its first C choices in token order.
+        drop_policy: over capacity, "probs" keeps each expert's C choices of largest score, "position"
+            keeps its first C choices in token order.
         used_token: optional [S] mask; tokens where it is 0 are routed nowhere.
+        scoring_func: "softmax" or "sigmoid".
+        norm_topk_prob: renormalise each token's kept weights to sum to 1 (DeepSpeed's top-k does).
+        routed_scaling_factor: a factor on every weight.
+        expert_bias: optional [E] bias added to the scores for selection only (auxiliary-loss-free
+            balancing); never differentiated.
+        n_group, topk_group: group-limited routing: E experts in n_group equal groups, each token keeps
+            its topk_group groups ranked by the sum of their two highest selection scores.
+        load_balancing_type, seq_len, global_counts: the balance loss (moe.balancing), P from the
+            scores normalised over all experts; "aux_loss" is DeepSpeed's top-k loss.
 
     Returns:
         Routing with K = k.
 
     Raises:
-        ValueError: bad k, shapes or drop_policy, non-finite logits, S < min_capacity when dropping.
+        ValueError: bad k, shapes, drop_policy, scoring_func or groups; non-finite logits; S < min_capacity
+            when dropping.
     """
     if drop_policy not in DROP_POLICIES:
         raise ValueError(f"drop_policy must be one of {DROP_POLICIES}, got {drop_policy!r}")
+    if scoring_func not in SCORING_FUNCS:
+        raise ValueError(f"scoring_func must be one of {SCORING_FUNCS}, got {scoring_func!r}")
     logits = _check_logits(logits, k)
     S, num_experts = logits.shape
-    gates_SE = F.softmax(logits, dim=1)
-    top_gate_SK, expert_SK = torch.topk(gates_SE, k, dim=1)
+    _check_group_limit(num_experts, k, n_group, topk_group)
+    scores_SE = F.softmax(logits, dim=1) if scoring_func == "softmax" else torch.sigmoid(logits)
+    select_SE = scores_SE.detach()
+    if expert_bias is not None:
+        select_SE = select_SE + expert_bias.detach().to(select_SE.dtype)
+    if n_group is not None:
+        select_SE = _limit_groups(select_SE, n_group, topk_group)
+    if expert_bias is None and n_group is None:
+        expert_SK = torch.topk(scores_SE, k, dim=1).indices  # DeepSpeed's selection, ties as torch.topk takes them
+    else:
+        expert_SK = _stable_topk(select_SE, k)
+    top_score_SK = scores_SE.detach().gather(1, expert_SK)
     if used_token is not None:
         used_S = _mask_unused(expert_SK.select(1, 0), used_token) >= 0
         expert_SK = torch.where(used_S.unsqueeze(1), expert_SK, -1)
-    exp_counts = _counts(expert_SK.reshape(-1), num_experts)
+    exp_counts = choice_counts(expert_SK.reshape(-1), num_experts)
     capacity = _capacity(logits, k, capacity_factor, min_capacity, drop_tokens)
-    priority = top_gate_SK.reshape(-1) if (drop_policy == "probs" and drop_tokens) else None
+    priority = top_score_SK.reshape(-1) if (drop_policy == "probs" and drop_tokens) else None
     slot_SK = assign_slots(expert_SK.reshape(-1), num_experts, _slots_capacity(capacity, logits, k), priority).view(S, k)
-    l_aux = _balance_loss(gates_SE, exp_counts, k)
-    return _plan(gates_SE, expert_SK, slot_SK, _resolver(capacity, exp_counts, ep_group), l_aux, exp_counts,
-                 _z_loss(logits), True)
+    probs_SE = normalized_scores(scores_SE, scoring_func)
+    l_aux = balance_loss(
+        load_balancing_type, probs_SE, expert_SK, seq_len=seq_len, global_counts=global_counts,
+        default=lambda: _balance_loss(probs_SE, exp_counts, k),
+    )
+    return _plan(scores_SE, expert_SK, slot_SK, _resolver(capacity, exp_counts, ep_group), l_aux, exp_counts,
+                 _z_loss(logits), norm_topk_prob, routed_scaling_factor, _max_rows(capacity, S, k, num_experts))
 
 
 def _check_policy(noisy_gate_policy) -> None:
     if noisy_gate_policy not in NOISY_GATE_POLICIES:
         raise ValueError(f"noisy_gate_policy must be one of {NOISY_GATE_POLICIES}, got {noisy_gate_policy!r}")
-
-
-@dataclass(kw_only=True)
-class TopKGateConfig:
-    """Everything a gate decides with; validated on construction.
-
-    Args:
-        model_dim: M, the token width.
-        num_experts: E, global number of experts.
-        k: choices per token (1 top-1, 2 top-2, more top-k).
-        capacity_factor: capacity factor in training.
-        eval_capacity_factor: capacity factor in eval mode.
-        min_capacity: the least number of slots per expert.
-        noisy_gate_policy: None, "Jitter" (multiplicative input noise) or "RSample" (Gumbel top-1).
-        drop_tokens: drop choices beyond capacity.
-        use_rts: random token selection for top-1.
-        top2_2nd_expert_sampling: Gumbel-sample the second expert for top-2.
-        drop_policy: "probs" or "position", for k > 2.
-    """
-
-    model_dim: int
-    num_experts: int
-    k: int = 1
-    capacity_factor: float = 1.0
-    eval_capacity_factor: float = 1.0
-    min_capacity: int = 8
-    noisy_gate_policy: str | None = None
-    drop_tokens: bool = True
-    use_rts: bool = True
-    top2_2nd_expert_sampling: bool = True
-    drop_policy: str = "probs"
-
-    def __post_init__(self):
-        if self.noisy_gate_policy == "None":
-            self.noisy_gate_policy = None  # the recipe flags pass the string
-        for name in ("model_dim", "num_experts", "k", "min_capacity"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise TypeError(f"{name} must be an int, got {value!r}")
-        if self.model_dim < 1:
-            raise ValueError(f"model_dim (hidden_size) must be >= 1, got {self.model_dim}")
-        if self.num_experts < 1:
-            raise ValueError(f"num_experts must be >= 1, got {self.num_experts}")
-        if not 1 <= self.k <= self.num_experts:
-            raise ValueError(f"k ({self.k}) must be between 1 and num_experts ({self.num_experts})")
-        for name in ("capacity_factor", "eval_capacity_factor"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
-                raise ValueError(f"{name} must be a number > 0, got {value!r}")
-        if self.min_capacity < 0:
-            raise ValueError(f"min_capacity must be >= 0, got {self.min_capacity}")
-        _check_policy(self.noisy_gate_policy)
-        if self.drop_policy not in DROP_POLICIES:
-            raise ValueError(f"drop_policy must be one of {DROP_POLICIES}, got {self.drop_policy!r}")
-
-
-class TopKGate(torch.nn.Module):
-    """The router: a bias-free linear map to expert logits, computed in fp32, then a gating policy.
-
-    In eval mode the gate uses eval_capacity_factor and turns every noise off (Jitter, RSample,
-    second-expert sampling and random token selection), so eval routing is deterministic.
-
-    Args:
-        model_dim, num_experts, k, capacity_factor, eval_capacity_factor, min_capacity,
-        noisy_gate_policy, drop_tokens, use_rts, top2_2nd_expert_sampling, drop_policy:
-            see `TopKGateConfig`.
-        ep_group: expert-parallel group for the dropless capacity reduction, or None.
-    """
-
-    def __init__(
-        self, model_dim: int, num_experts: int, k: int = 1, capacity_factor: float = 1.0,
-        eval_capacity_factor: float = 1.0, min_capacity: int = 8, noisy_gate_policy: str | None = None,
-        drop_tokens: bool = True, use_rts: bool = True, ep_group=None, top2_2nd_expert_sampling: bool = True,
-        drop_policy: str = "probs",
-    ):
-        super().__init__()
-        self.config = TopKGateConfig(
-            model_dim=model_dim, num_experts=num_experts, k=k, capacity_factor=capacity_factor,
-            eval_capacity_factor=eval_capacity_factor, min_capacity=min_capacity,
-            noisy_gate_policy=noisy_gate_policy, drop_tokens=drop_tokens, use_rts=use_rts,
-            top2_2nd_expert_sampling=top2_2nd_expert_sampling, drop_policy=drop_policy,
-        )
-        self.ep_group = ep_group
-        self.wg = torch.nn.Linear(model_dim, num_experts, bias=False).float()
-
-    def forward(self, x_SM: torch.Tensor, used_token: torch.Tensor | None = None) -> Routing:
-        """Route tokens.
-
-        Args:
-            x_SM: tokens, shape [S, M], any float dtype (the gate computes in fp32, or float64 for float64).
-            used_token: optional [S] mask of tokens to route.
-
-        Returns:
-            the Routing plan.
-        """
-        cfg = self.config
-        x_SM = x_SM.to(_gate_dtype(x_SM.dtype))
-        if self.training and cfg.noisy_gate_policy == "Jitter":
-            x_SM = x_SM * torch.empty_like(x_SM).uniform_(1.0 - JITTER_EPS, 1.0 + JITTER_EPS)
-        with no_autocast(x_SM.device):  # the router stays fp32 under the model's autocast
-            logits = F.linear(x_SM, self.wg.weight.to(x_SM.dtype))
-        capacity_factor = cfg.capacity_factor if self.training else cfg.eval_capacity_factor
-        if cfg.k == 1:
-            return top1gating(
-                logits, capacity_factor, cfg.min_capacity, used_token,
-                cfg.noisy_gate_policy if self.training else None, cfg.drop_tokens,
-                cfg.use_rts and self.training, self.ep_group,
-            )
-        if cfg.k == 2:
-            return top2gating(
-                logits, capacity_factor, cfg.min_capacity, cfg.drop_tokens, self.ep_group,
-                cfg.top2_2nd_expert_sampling and self.training, used_token=used_token,
-            )
-        return topkgating(
-            logits, cfg.k, capacity_factor, cfg.min_capacity, cfg.drop_tokens, self.ep_group,
-            cfg.drop_policy, used_token=used_token,
-        )

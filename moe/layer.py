@@ -13,6 +13,7 @@ Forward, in stages:
                  choices contribute zeros; the residual connection is the model's business.
 """
 
+import copy
 import warnings
 
 import torch
@@ -21,8 +22,8 @@ from torch import nn
 from kernels import permute, unpermute_combine
 from moe import expert_parallel
 from moe.expert_parallel import check_equal_tokens, run_experts_packed, run_experts_padded
-from moe.experts import Experts
-from moe.gating import TopKGate
+from moe.experts import Experts, _plain_mlp
+from moe.gate import TopKGate
 from moe.routing import Routing
 from parallel import expert_groups
 
@@ -83,16 +84,17 @@ class MOELayer(nn.Module):
             return "packed"
         return "padded" if self.gate.config.drop_tokens else "grouped"
 
-    def forward(self, x_SM: torch.Tensor, used_token: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x_SM: torch.Tensor, used_token: torch.Tensor | None = None, seq_len: int | None = None
+                ) -> torch.Tensor:
         # Host syncs: none in the gate and the padded layout with dropping; none for grouped stacked
         # experts in one process (a buffer of fixed size S * K, the counts stay on the device); one
         # otherwise (the dropless capacity, or the row counts that slice sizes and splits need).
-        routing = self.gate(x_SM, used_token)
+        routing = self.gate(x_SM, used_token, seq_len)
         compute = self._compute(x_SM.device)
         grouped = compute == "grouped"
         if compute == "padded":
             row_SK, num_rows = _padded_rows(routing)
-            if self.ep_size > 1 and self.gate.config.drop_tokens:
+            if self.ep_size > 1 and self.gate.config.drop_tokens:  # (expert choice always has a fixed capacity)
                 check_equal_tokens(x_SM.shape[0], x_SM.device, self.ep_group)
             buffer_NM = permute(x_SM, row_SK, num_rows)
             if self.ep_size == 1:
@@ -109,7 +111,8 @@ class MOELayer(nn.Module):
             elif grouped and self.experts.stacked and not (torch.compiler.is_compiling() and x_SM.device.type == "cpu"):
                 # (compiled on the CPU, the grouped GEMM cannot be traced in fp32: its meta function
                 # takes bf16 only, so the branch below runs, with its one host read)
-                buffer_NM = permute(x_SM, row_SK, row_SK.numel())  # kept rows first, then zero padding rows
+                max_rows = routing.max_rows if routing.max_rows is not None else row_SK.numel()
+                buffer_NM = permute(x_SM, row_SK, max_rows)  # kept rows first, then zero padding rows
                 y_NM = self.experts(buffer_NM, counts_E, grouped_gemm=True)
             else:
                 counts = expert_parallel.read_counts(counts_E)  # the one host sync: slice sizes
@@ -148,6 +151,17 @@ class MoE(nn.Module):
             (global expert g re-initialised from (seed, g): the same weights at any ep_size).
         seed: the seed for expert_init="per_expert_seed".
         use_data_before_expert_parallel: DeepSpeed's alternative rank layout (see parallel.groups).
+        scoring_func, norm_topk_prob, routed_scaling_factor, bias_update_speed, load_balancing_type,
+        n_group, topk_group, routing: the router (see `TopKGateConfig`, `topkgating`, `moe.balancing`,
+            `moe.expert_choice`). With bias_update_speed > 0 or global_aux_loss, the engine advances the
+            gate after each optimizer step; a plain-torch loop calls `moe.update_routing(model)`.
+            routing="expert_choice" uses other tokens of the batch to route each one, so in a causal
+            language model it leaks information across positions.
+        n_shared_experts: n > 0 adds a dense MLP of n experts' width (a plain-MLP `expert` is widened
+            n times), applied to every token and added to the routed output (DeepSeekMoE, Qwen-MoE).
+            Its parameters are dense: replicated, not expert-parallel.
+        shared_expert: a module to use as the shared expert instead ([..., M] -> [..., M]).
+        shared_expert_gate: scale the shared expert's output by sigmoid(Linear(M, 1)(x)) (Qwen's form).
 
     With ep_size > 1 (under torchrun, after parallel.init_distributed()), this rank holds global
     experts ep_rank * L ... ep_rank * L + L - 1 (L = num_experts / ep_size) and tokens travel to them
@@ -164,6 +178,10 @@ class MoE(nn.Module):
         use_rts: bool = True, use_tutel: bool = False, enable_expert_tensor_parallelism: bool = False,
         top2_2nd_expert_sampling: bool = True, *, drop_policy: str = "probs", expert_compute: str = "auto",
         dropless: bool = False, expert_init: str = "copy", seed: int = 0, use_data_before_expert_parallel: bool = False,
+        scoring_func: str = "softmax", norm_topk_prob: bool | None = None, routed_scaling_factor: float = 1.0,
+        bias_update_speed: float = 0.0, load_balancing_type: str = "aux_loss", n_group: int | None = None,
+        topk_group: int | None = None, routing: str = "token_choice", n_shared_experts: int = 0,
+        shared_expert: nn.Module | None = None, shared_expert_gate: bool = False,
     ):
         super().__init__()
         if isinstance(ep_size, bool) or not isinstance(ep_size, int) or ep_size < 1:
@@ -175,6 +193,8 @@ class MoE(nn.Module):
         if use_tutel:
             warnings.warn("use_tutel has no effect: dispatch is always index based", stacklevel=2)
         if dropless:
+            if routing == "expert_choice":
+                raise ValueError("routing='expert_choice' fills every expert with exactly C tokens; dropless must be False")
             if expert_compute == "padded":
                 raise ValueError(
                     "dropless=True packs tokens without padding; expert_compute must be 'auto', 'packed' or 'grouped'"
@@ -185,7 +205,11 @@ class MoE(nn.Module):
         gate = TopKGate(  # validates the gating arguments before any group is built
             hidden_size, num_experts, k, capacity_factor, eval_capacity_factor, min_capacity,
             noisy_gate_policy, drop_tokens, use_rts, None, top2_2nd_expert_sampling, drop_policy,
+            scoring_func=scoring_func, norm_topk_prob=norm_topk_prob, routed_scaling_factor=routed_scaling_factor,
+            bias_update_speed=bias_update_speed, load_balancing_type=load_balancing_type, n_group=n_group,
+            topk_group=topk_group, routing=routing,
         )
+        shared = _shared_expert(expert, n_shared_experts, shared_expert, use_residual)
         groups = expert_groups(ep_size, use_data_before_expert_parallel) if ep_size > 1 else None
         ep_group = gate.ep_group = groups.ep_group if groups else None
         self.hidden_size = hidden_size
@@ -209,6 +233,15 @@ class MoE(nn.Module):
         if use_residual:
             self.mlp = expert
             self.coefficient = nn.Linear(hidden_size, 2)
+        self.shared_expert = shared
+        self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False) if shared_expert_gate and shared else None
+        if shared_expert_gate and shared is None:
+            raise ValueError("shared_expert_gate=True needs a shared expert: set n_shared_experts or shared_expert")
+
+    @property
+    def expert_bias(self) -> torch.Tensor | None:
+        """The gate's expert bias [E] (auxiliary-loss-free balancing), None when off."""
+        return self.deepspeed_moe.gate.expert_bias
 
     @property
     def z_loss(self) -> torch.Tensor | None:
@@ -249,8 +282,14 @@ class MoE(nn.Module):
                 f"hidden_states must have shape [..., {self.hidden_size}], got {list(hidden_states.shape)}"
             )
         x_SM = hidden_states.reshape(-1, self.hidden_size)
-        out_SM = self.deepspeed_moe(x_SM, used_token)
+        seq_len = hidden_states.shape[-2] if hidden_states.dim() == 3 else None  # [batch, seq, hidden]
+        out_SM = self.deepspeed_moe(x_SM, used_token, seq_len)
         output = out_SM.view(hidden_states.shape)
+        if self.shared_expert is not None:
+            shared = self.shared_expert(hidden_states)
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(self.shared_expert_gate(hidden_states)) * shared
+            output = output + shared
         if self.use_residual:
             output_mlp = self.mlp(hidden_states)
             if isinstance(output_mlp, tuple):
@@ -258,3 +297,28 @@ class MoE(nn.Module):
             coef = torch.softmax(self.coefficient(hidden_states), dim=-1)
             output = output * coef[..., 0:1] + output_mlp * coef[..., 1:]
         return output, self.deepspeed_moe.l_aux, self.deepspeed_moe.exp_counts
+
+
+def _shared_expert(expert: nn.Module, n_shared_experts: int, shared_expert: nn.Module | None,
+                   use_residual: bool) -> nn.Module | None:
+    """The dense shared expert: the given module, or the plain-MLP expert widened n_shared_experts times."""
+    if isinstance(n_shared_experts, bool) or not isinstance(n_shared_experts, int) or n_shared_experts < 0:
+        raise ValueError(f"n_shared_experts must be an int >= 0, got {n_shared_experts!r}")
+    if shared_expert is not None and n_shared_experts:
+        raise ValueError(f"give n_shared_experts ({n_shared_experts}) or shared_expert, not both")
+    if (shared_expert is not None or n_shared_experts) and use_residual:
+        raise ValueError("use_residual=True (Residual MoE) and a shared expert both add a dense MLP; choose one")
+    if shared_expert is not None or not n_shared_experts:
+        return shared_expert
+    mlp = _plain_mlp(expert)
+    if mlp is None:
+        raise ValueError(f"n_shared_experts={n_shared_experts} widens a plain nn.Sequential(Linear, activation, Linear) "
+                         f"expert, got {type(expert).__name__}; pass shared_expert=<module> instead")
+    first, _, _, second = mlp
+    width = first.out_features * n_shared_experts
+    bias = first.bias is not None
+    return nn.Sequential(
+        nn.Linear(first.in_features, width, bias=bias, device=first.weight.device, dtype=first.weight.dtype),
+        copy.deepcopy(expert[1]),
+        nn.Linear(width, second.out_features, bias=bias, device=first.weight.device, dtype=first.weight.dtype),
+    )

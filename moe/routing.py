@@ -34,6 +34,8 @@ class Routing:
         l_aux: the load-balancing loss, a scalar.
         exp_counts: int64 choices per expert before dropping, shape [E].
         z_loss: the router z-loss mean(logsumexp(logits)^2) (ST-MoE), a scalar.
+        max_rows: a bound on the kept choices known without a host sync (S * K, or E * C when the
+            capacity is fixed); layouts of fixed size allocate this many rows. None: S * K.
     """
 
     expert_idx_SK: torch.Tensor
@@ -44,6 +46,7 @@ class Routing:
     l_aux: torch.Tensor
     exp_counts: torch.Tensor
     z_loss: torch.Tensor
+    max_rows: int | None = None
 
     @property
     def capacity(self) -> int:
