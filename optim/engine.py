@@ -169,6 +169,10 @@ class Engine:
         board = config.tensorboard
         # Statistics are summed on every rank (one all-reduce per step); rank 0 writes them.
         self._stats = StepStats(self.module, self.device) if board.enabled else None
+        self.last_routing_stats = []  # the last optimizer step's per-layer routing (optim.LayerStats), with TensorBoard
+        # Routers that keep state across steps (an expert bias, the step's counts) advance after each step:
+        # any module with an update_routing(skipped=...) method (the MoE layer's gate has one).
+        self._routers = [m for m in self.module.modules() if callable(getattr(m, "update_routing", None))]
         self.monitor = Monitor(os.path.join(board.output_path or "runs", board.job_name)) \
             if board.enabled and self.rank == 0 else None
         self._step_started = None
@@ -359,6 +363,7 @@ class Engine:
             self.skipped_steps += 1
             self.scaler.update(True)
             self.zero_grad()
+            self._update_routers(skipped=True)
             return
         proxies = self._prepare_proxies(grads)
         if self.config.gradient_clipping > 0:  # on the device: min(1, clip / norm) scales every gradient, no host read
@@ -373,10 +378,16 @@ class Engine:
             unit.proxy.grad = None
             unit.write_back()
         self.zero_grad()
+        self._update_routers(skipped=False)
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
         if self.scaler is not None:
             self.scaler.update(False)
+
+    def _update_routers(self, skipped: bool) -> None:
+        """Advance every router's balancing state (the expert bias from the step's global counts): collective."""
+        for router in self._routers:
+            router.update_routing(skipped=skipped)
 
     def _any_overflow(self, grads: list[torch.Tensor]) -> bool:
         """True when any rank's gradients hold inf or nan (agreed by all ranks): the step's one host read."""
@@ -455,6 +466,7 @@ class Engine:
     def _write_statistics(self) -> None:
         """This step's loss, lr, loss scale, timing and routing to TensorBoard (DeepSpeed's tags too)."""
         loss, layers = self._stats.reduce()  # a collective: every rank takes part
+        self.last_routing_stats = layers
         now = time.perf_counter()
         seconds, self._step_started = now - (self._step_started or now), None
         if self.monitor is None:

@@ -6,6 +6,8 @@ tensors:
     l_aux, z_loss:  scalars of that forward;
     exp_counts:     int64 [E], choices per expert before dropping (this rank's tokens);
     kept_counts:    int64 [E], choices per expert after dropping.
+A module may also have an `expert_bias` attribute ([E] tensor or None, the same on every rank): its
+range after the step is reported.
 `StepStats` sums them over the micro-batches of an optimizer step and then over all ranks in one
 all-reduce; `Monitor` writes the result on rank 0: scalars, an expert-load histogram per layer and
 an experts x layers heatmap image.
@@ -30,6 +32,7 @@ class LayerStats:
         z_loss: mean router z-loss.
         exp_counts: float64 [E], choices per expert before dropping.
         kept_counts: float64 [E], choices per expert after dropping.
+        bias_range: (min, max) of the layer's expert bias after the step, None without one.
     """
 
     name: str
@@ -37,6 +40,13 @@ class LayerStats:
     z_loss: float
     exp_counts: torch.Tensor
     kept_counts: torch.Tensor
+    bias_range: tuple[float, float] | None = None
+
+    @property
+    def max_vio(self) -> float:
+        """MaxVio (Wang et al. 2024): max_i c_i / mean_j c_j - 1 over the step's routed choices; 0 when even."""
+        mean = float(self.exp_counts.mean()) if self.exp_counts.numel() else 0.0
+        return float(self.exp_counts.max()) / mean - 1.0 if mean > 0 else 0.0
 
     @property
     def dropped_fraction(self) -> float:
@@ -100,15 +110,19 @@ class StepStats:
         self._reset()
         if distributed:
             dist.all_reduce(flat, group=group)
-        flat = read_stats(flat)
+        biases = [getattr(module, "expert_bias", None) for _, module in self.layers]
+        ranges = [torch.stack([b.min(), b.max()]).to(device, torch.float64) for b in biases if b is not None and b.numel()]
+        flat = read_stats(torch.cat([flat, *ranges]))  # the bias is the same on every rank: read, not summed
+        ranges = iter(flat[len(flat) - 2 * len(ranges):].view(-1, 2).tolist())
         loss = float(flat[0] / flat[1]) if flat[1] else None
         layers, offset = [], 2
-        for (name, _), e in zip(self.layers, sizes):
+        for (name, _), e, bias in zip(self.layers, sizes, biases):
             row = flat[offset:offset + 3 + 2 * e]
             offset += 3 + 2 * e
+            bias_range = tuple(next(ranges)) if bias is not None and bias.numel() else None
             if row[0] > 0:
                 layers.append(LayerStats(name, float(row[1] / row[0]), float(row[2] / row[0]),
-                                         row[3:3 + e].clone(), row[3 + e:].clone()))
+                                         row[3:3 + e].clone(), row[3 + e:].clone(), bias_range))
         return loss, layers
 
 
@@ -136,17 +150,22 @@ class Monitor:
             self.writer.add_scalar(tag, value, step)
 
     def routing(self, step: int, layers: list[LayerStats], pictures: bool = True) -> None:
-        """l_aux, z-loss and dropped fraction (mean over layers and per layer); with `pictures`, also
+        """l_aux, z-loss, dropped fraction and MaxVio (mean over layers and per layer), the expert bias's
+        range where there is one; with `pictures`, also
         each layer's load histogram and the experts x layers heatmap."""
         if not layers:
             return
         mean = {"MoE/l_aux": sum(s.l_aux for s in layers) / len(layers),
                 "MoE/z_loss": sum(s.z_loss for s in layers) / len(layers),
-                "MoE/dropped_fraction": sum(s.dropped_fraction for s in layers) / len(layers)}
+                "MoE/dropped_fraction": sum(s.dropped_fraction for s in layers) / len(layers),
+                "MoE/max_vio": sum(s.max_vio for s in layers) / len(layers)}
         self.scalars(step, mean)
         for s in layers:
-            self.scalars(step, {f"MoE/{s.name}/l_aux": s.l_aux, f"MoE/{s.name}/dropped_fraction": s.dropped_fraction,
-                                f"MoE/{s.name}/max_load": float(s.load.max())})
+            per_layer = {f"MoE/{s.name}/l_aux": s.l_aux, f"MoE/{s.name}/dropped_fraction": s.dropped_fraction,
+                         f"MoE/{s.name}/max_load": float(s.load.max()), f"MoE/{s.name}/max_vio": s.max_vio}
+            if s.bias_range is not None:
+                per_layer[f"MoE/{s.name}/bias_min"], per_layer[f"MoE/{s.name}/bias_max"] = s.bias_range
+            self.scalars(step, per_layer)
         if pictures:
             for s in layers:
                 self._load_histogram(step, s)

@@ -66,6 +66,23 @@ class TrainConfig:
         "choices": ["auto", "packed", "grouped", "padded"],
         "help": "expert layout (auto: packed on CPU; on GPU padded, or grouped when dropless)"})
     noisy_gate_policy: str = field(default="None", metadata={"choices": ["None", "Jitter", "RSample"]})
+    scoring_func: str = field(default="softmax", metadata={"choices": ["softmax", "sigmoid"]})
+    norm_topk_prob: str = field(default="auto", metadata={
+        "choices": ["auto", "true", "false"], "help": "renormalise the kept weights (auto: the policy's default)"})
+    routed_scaling_factor: float = 1.0
+    bias_update_speed: float = field(default=0.0, metadata={
+        "help": "auxiliary-loss-free balancing: the expert bias's step u (0: off); pair with --load-balancing-type none"})
+    load_balancing_type: str = field(default="aux_loss", metadata={
+        "choices": ["aux_loss", "seq_aux_loss", "global_aux_loss", "none"]})
+    n_group: int = field(default=0, metadata={"help": "group-limited routing: expert groups (0: off)"})
+    topk_group: int = field(default=0, metadata={"help": "group-limited routing: groups kept per token"})
+    routing: str = field(default="token_choice", metadata={
+        "choices": ["token_choice", "expert_choice"],
+        "help": "expert_choice: each expert takes its top C tokens (leaks across positions: for study)"})
+    n_shared_experts: int = field(default=0, metadata={"help": "a dense shared expert n experts wide (0: none)"})
+    shared_expert_gate: bool = field(default=False, metadata={"help": "sigmoid gate on the shared expert (Qwen)"})
+    expert_init: str = field(default="per_expert_seed", metadata={
+        "choices": ["per_expert_seed", "copy"], "help": "independent experts, or copies of one template (DeepSpeed)"})
     aux_coef: float = 0.01
     z_loss_coef: float = 0.001
     ep_world_size: int = 1
@@ -222,11 +239,15 @@ def train(cfg: TrainConfig, given: set[str], rank: int, world: int) -> dict:
                      f"unigram baseline {unigram:.4f} nats/byte")
     progress.message(f"model: {'dense' if cfg.dense else 'MoE'}, {total_params:,} parameters, {active_params:,} active "
                      f"per token; {world} process(es), ep {cfg.ep_world_size}, ZeRO stage {engine.stage}, {cfg.dtype}")
-    history = {"train": [], "val": [], "tokens_per_s": []}
+    history = {"train": [], "val": [], "tokens_per_s": [], "max_vio": [], "dropped_fraction": []}
     for step in range(first_step + 1, cfg.steps + 1):
         for micro in range(engine.accumulation):
             loss = train_step(engine, cfg, *train_batch(train_tokens, cfg, step, micro, rank))
         history["train"].append((step, loss.item()))
+        if engine.last_routing_stats:  # the step's routing over all ranks, mean over MoE layers
+            layers = engine.last_routing_stats
+            history["max_vio"].append((step, sum(s.max_vio for s in layers) / len(layers)))
+            history["dropped_fraction"].append((step, sum(s.dropped_fraction for s in layers) / len(layers)))
         if step % cfg.log_interval == 0 or step == cfg.steps:
             rate = progress.rate(step)
             history["tokens_per_s"].append(rate)

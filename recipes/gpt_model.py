@@ -16,6 +16,8 @@ from torch import nn
 
 from moe import MoE
 
+NORM_TOPK_PROB = {"auto": None, "true": True, "false": False}
+
 
 @dataclass(kw_only=True)
 class GPTConfig:
@@ -38,6 +40,17 @@ class GPTConfig:
     noisy_gate_policy: str | None = None
     ep_size: int = 1
     seed: int = 0
+    scoring_func: str = "softmax"
+    norm_topk_prob: str = "auto"
+    routed_scaling_factor: float = 1.0
+    bias_update_speed: float = 0.0
+    load_balancing_type: str = "aux_loss"
+    n_group: int = 0
+    topk_group: int = 0
+    routing: str = "token_choice"
+    n_shared_experts: int = 0
+    shared_expert_gate: bool = False
+    expert_init: str = "per_expert_seed"
 
     def __post_init__(self):
         if self.n_embd % self.n_head:
@@ -48,8 +61,22 @@ class GPTConfig:
             raise ValueError(f"top_k ({self.top_k}) must be between 1 and num_experts ({self.num_experts})")
         if self.moe_every and self.num_experts % self.ep_size:
             raise ValueError(f"num_experts ({self.num_experts}) must be divisible by ep_size ({self.ep_size})")
+        if self.norm_topk_prob not in NORM_TOPK_PROB:
+            raise ValueError(f"norm_topk_prob must be one of {tuple(NORM_TOPK_PROB)}, got {self.norm_topk_prob!r}")
         if self.expert_ffn == 0:
             self.expert_ffn = max(1, self.ffn // self.top_k)
+
+    def moe_options(self) -> dict:
+        """The MoE layer's keyword arguments for the routing options (0 means off for the group sizes)."""
+        return dict(scoring_func=self.scoring_func, norm_topk_prob=NORM_TOPK_PROB[self.norm_topk_prob],
+                    routed_scaling_factor=self.routed_scaling_factor, bias_update_speed=self.bias_update_speed,
+                    load_balancing_type=self.load_balancing_type, n_group=self.n_group or None,
+                    topk_group=self.topk_group or None, routing=self.routing, n_shared_experts=self.n_shared_experts,
+                    shared_expert_gate=self.shared_expert_gate, expert_init=self.expert_init)
+
+    def routed_experts_per_token(self) -> float:
+        """Experts a token's compute runs through on average: k, or the capacity factor under expert choice."""
+        return self.capacity_factor if self.routing == "expert_choice" else float(self.top_k)
 
     def is_moe(self, block: int) -> bool:
         """MoE in blocks moe_every - 1, 2 * moe_every - 1, ... (every other block from the second)."""
@@ -84,7 +111,7 @@ class Block(nn.Module):
                            ep_size=cfg.ep_size, k=cfg.top_k, capacity_factor=cfg.capacity_factor,
                            eval_capacity_factor=cfg.eval_capacity_factor, min_capacity=cfg.min_capacity,
                            noisy_gate_policy=cfg.noisy_gate_policy, dropless=cfg.dropless,
-                           expert_compute=cfg.expert_compute, expert_init="per_expert_seed", seed=cfg.seed)
+                           expert_compute=cfg.expert_compute, seed=cfg.seed, **cfg.moe_options())
         else:
             self.ffn = mlp(cfg.n_embd, cfg.ffn)
         self.drop = nn.Dropout(cfg.dropout)
@@ -114,7 +141,7 @@ class GPT(nn.Module):
         self._init_dense_weights()
 
     def _init_dense_weights(self) -> None:
-        """GPT-2's init for everything but the experts (they are seeded per global expert by the MoE layer)."""
+        """GPT-2's init for everything but the experts (seeded per global expert, or copies, by the MoE layer)."""
         for name, module in self.named_modules():
             if ".deepspeed_moe.experts" in name or "deepspeed_moe.experts" == name:
                 continue
@@ -137,14 +164,18 @@ class GPT(nn.Module):
         return self.head(self.ln_f(x)), l_aux, z_loss
 
     def parameter_counts(self) -> tuple[int, int]:
-        """(total, active per token) over the whole model, all expert-parallel ranks' experts included."""
+        """(total, active per token) over the whole model, all expert-parallel ranks' experts included.
+
+        Dense parameters (shared experts and routers among them) are active for every token; of the
+        routed experts, k per token, or on average capacity_factor under expert choice.
+        """
         total = active = sum(p.numel() for p in self.parameters() if getattr(p, "allreduce", True))
         for block in self.blocks:
             if isinstance(block.ffn, MoE):
                 local = sum(p.numel() for p in block.ffn.deepspeed_moe.experts.parameters())
                 one_expert = local // block.ffn.num_local_experts
                 total += self.cfg.num_experts * one_expert
-                active += self.cfg.top_k * one_expert
+                active += round(self.cfg.routed_experts_per_token() * one_expert)
         return total, active
 
     @torch.no_grad()
