@@ -66,3 +66,59 @@ def test_heatmap_colours_balanced_white_overloaded_red_idle_blue():
 def test_load_is_relative_to_the_mean():
     stats = LayerStats("x", 0.0, 0.0, torch.tensor([6.0, 2.0, 0.0, 0.0]), torch.tensor([4.0, 2.0, 0.0, 0.0]))
     assert stats.load.tolist() == [3.0, 1.0, 0.0, 0.0] and stats.dropped_fraction == 0.25
+
+
+def test_max_vio_is_the_largest_load_over_the_mean_minus_one():
+    stats = LayerStats("x", 0.0, 0.0, torch.tensor([6.0, 2.0, 0.0, 0.0]), torch.tensor([4.0, 2.0, 0.0, 0.0]))
+    assert stats.max_vio == 6.0 / 2.0 - 1.0
+    even = LayerStats("y", 0.0, 0.0, torch.tensor([3.0, 3.0]), torch.tensor([3.0, 3.0]))
+    idle = LayerStats("z", 0.0, 0.0, torch.zeros(2), torch.zeros(2))
+    assert even.max_vio == 0.0 and idle.max_vio == 0.0
+
+
+def test_the_bias_range_is_read_after_the_step():
+    model = nn.ModuleDict({"a": FakeLayer(2), "b": FakeLayer(3)})
+    model["a"].expert_bias = torch.tensor([-0.25, 0.5])
+    model["b"].expert_bias = None
+    stats = StepStats(model)
+    model["a"].routing_stats = _stats(1.0, 0.5, [3, 1], [2, 1])
+    model["b"].routing_stats = _stats(1.0, 0.5, [3, 1, 2], [2, 1, 2])
+    stats.collect()
+    model["a"].expert_bias += 0.25  # the update after the optimizer step
+    _, (a, b) = stats.reduce()
+    assert a.bias_range == (0.0, 0.75) and b.bias_range is None
+
+
+def test_engine_advances_the_bias_and_writes_max_vio_and_bias_to_tensorboard(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from optim import initialize
+
+    torch.manual_seed(0)
+    layer = MoE(8, nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8)), num_experts=4, k=2,
+                scoring_func="sigmoid", bias_update_speed=0.01, load_balancing_type="none", drop_tokens=False)
+    engine, *_ = initialize(layer, config={
+        "train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 2,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "tensorboard": {"enabled": True, "output_path": str(tmp_path), "job_name": "run"}})
+    gate = layer.deepspeed_moe.gate
+    counts = torch.zeros(4, dtype=torch.int64)
+    for micro in range(2):
+        out, _, exp_counts = engine(torch.randn(8, 8))
+        counts += exp_counts
+        engine.backward(out.square().mean())
+        if micro == 0:
+            assert torch.equal(gate.expert_bias, torch.zeros(4)), "no update inside the accumulation"
+        engine.step()
+    expected = 0.01 * torch.sign(counts.double().mean() - counts.double()).float()
+    torch.testing.assert_close(gate.expert_bias, expected, rtol=0, atol=1e-7)
+    (stats,) = engine.last_routing_stats
+    assert stats.exp_counts.tolist() == counts.double().tolist()
+    assert stats.bias_range == (float(expected.min()), float(expected.max()))
+    engine.monitor.flush()
+    board = EventAccumulator(str(tmp_path / "run"))
+    board.Reload()
+    tags = set(board.Tags()["scalars"])
+    assert {"MoE/max_vio", "MoE//max_vio", "MoE//bias_min", "MoE//bias_max"} <= tags, tags
+    value = board.Scalars("MoE/max_vio")[0].value
+    assert abs(value - (float(counts.max()) / float(counts.double().mean()) - 1)) < 1e-6
