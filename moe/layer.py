@@ -24,6 +24,7 @@ from moe import expert_parallel
 from moe.expert_parallel import check_equal_tokens, run_experts_packed, run_experts_padded
 from moe.experts import Experts, _plain_mlp
 from moe.gate import TopKGate
+from moe.rank_exchange import run_experts_per_rank
 from moe.routing import Routing
 from parallel import expert_groups
 
@@ -31,6 +32,7 @@ __all__ = ["MoE", "MOELayer"]
 
 EXPERT_COMPUTE = ("auto", "packed", "grouped", "padded")
 EXPERT_INIT = ("copy", "per_expert_seed")
+EXCHANGES = ("per_choice", "per_rank")
 
 
 def _padded_rows(routing: Routing) -> tuple[torch.Tensor, int]:
@@ -60,13 +62,21 @@ class MOELayer(nn.Module):
             (the same rows, one grouped GEMM per layer), "padded" (the capacity
             buffer, batched products, no host sync) or "auto": packed on CPU, where empty slots would
             cost product time; elsewhere padded when dropping and grouped when dropless.
+        exchange: under expert parallelism, "per_choice" sends a token once per choice, "per_rank" once
+            per destination rank (moe.rank_exchange; packed or grouped layouts).
     """
 
     def __init__(self, gate: TopKGate, experts: Experts, ep_group_name: str, ep_size: int, num_local_experts: int,
-                 expert_compute: str = "auto", ep_group=None):
+                 expert_compute: str = "auto", ep_group=None, exchange: str = "per_choice"):
         super().__init__()
         if expert_compute not in EXPERT_COMPUTE:
             raise ValueError(f"expert_compute must be one of {EXPERT_COMPUTE}, got {expert_compute!r}")
+        if exchange not in EXCHANGES:
+            raise ValueError(f"exchange must be one of {EXCHANGES}, got {exchange!r}")
+        if exchange == "per_rank" and expert_compute == "padded":
+            raise ValueError("exchange='per_rank' sends variable rows per rank; expert_compute must be 'auto', "
+                             "'packed' or 'grouped', got 'padded'")
+        self.exchange = exchange
         self.gate = gate
         self.experts = experts
         self.ep_group_name = ep_group_name
@@ -82,7 +92,7 @@ class MOELayer(nn.Module):
             return self.expert_compute
         if device.type == "cpu":
             return "packed"
-        return "padded" if self.gate.config.drop_tokens else "grouped"
+        return "padded" if self.gate.config.drop_tokens and self.exchange == "per_choice" else "grouped"
 
     def forward(self, x_SM: torch.Tensor, used_token: torch.Tensor | None = None, seq_len: int | None = None
                 ) -> torch.Tensor:
@@ -92,6 +102,10 @@ class MOELayer(nn.Module):
         routing = self.gate(x_SM, used_token, seq_len)
         compute = self._compute(x_SM.device)
         grouped = compute == "grouped"
+        if self.ep_size > 1 and self.exchange == "per_rank":
+            out_SM = run_experts_per_rank(self.experts, x_SM, routing, self.ep_size, self.ep_group, grouped_gemm=grouped)
+            self.routing, self.l_aux, self.exp_counts, self.z_loss = routing, routing.l_aux, routing.exp_counts, routing.z_loss
+            return out_SM
         if compute == "padded":
             row_SK, num_rows = _padded_rows(routing)
             if self.ep_size > 1 and self.gate.config.drop_tokens:  # (expert choice always has a fixed capacity)
@@ -162,6 +176,9 @@ class MoE(nn.Module):
             Its parameters are dense: replicated, not expert-parallel.
         shared_expert: a module to use as the shared expert instead ([..., M] -> [..., M]).
         shared_expert_gate: scale the shared expert's output by sigmoid(Linear(M, 1)(x)) (Qwen's form).
+        exchange: with ep_size > 1, "per_choice" (a token's row travels once per choice) or "per_rank"
+            (once per destination rank, its choices expanded there: fewer bytes when a token picks
+            several experts of one rank, as group-limited routing with n_group = ep_size arranges).
 
     With ep_size > 1 (under torchrun, after parallel.init_distributed()), this rank holds global
     experts ep_rank * L ... ep_rank * L + L - 1 (L = num_experts / ep_size) and tokens travel to them
@@ -181,7 +198,7 @@ class MoE(nn.Module):
         scoring_func: str = "softmax", norm_topk_prob: bool | None = None, routed_scaling_factor: float = 1.0,
         bias_update_speed: float = 0.0, load_balancing_type: str = "aux_loss", n_group: int | None = None,
         topk_group: int | None = None, routing: str = "token_choice", n_shared_experts: int = 0,
-        shared_expert: nn.Module | None = None, shared_expert_gate: bool = False,
+        shared_expert: nn.Module | None = None, shared_expert_gate: bool = False, exchange: str = "per_choice",
     ):
         super().__init__()
         if isinstance(ep_size, bool) or not isinstance(ep_size, int) or ep_size < 1:
@@ -200,6 +217,11 @@ class MoE(nn.Module):
                     "dropless=True packs tokens without padding; expert_compute must be 'auto', 'packed' or 'grouped'"
                 )
             drop_tokens = False
+        if exchange not in EXCHANGES:
+            raise ValueError(f"exchange must be one of {EXCHANGES}, got {exchange!r}")
+        if exchange == "per_rank" and expert_compute == "padded":
+            raise ValueError("exchange='per_rank' sends variable rows per rank; expert_compute must be 'auto', "
+                             "'packed' or 'grouped', got 'padded'")
         if expert_init not in EXPERT_INIT:
             raise ValueError(f"expert_init must be one of {EXPERT_INIT}, got {expert_init!r}")
         gate = TopKGate(  # validates the gating arguments before any group is built
@@ -228,7 +250,7 @@ class MoE(nn.Module):
             use_data_before_expert_parallel=use_data_before_expert_parallel,
         )
         self.deepspeed_moe = MOELayer(
-            gate, experts, self.expert_group_name, ep_size, self.num_local_experts, expert_compute, ep_group
+            gate, experts, self.expert_group_name, ep_size, self.num_local_experts, expert_compute, ep_group, exchange
         )
         if use_residual:
             self.mlp = expert

@@ -83,6 +83,9 @@ class TrainConfig:
     shared_expert_gate: bool = field(default=False, metadata={"help": "sigmoid gate on the shared expert (Qwen)"})
     expert_init: str = field(default="per_expert_seed", metadata={
         "choices": ["per_expert_seed", "copy"], "help": "independent experts, or copies of one template (DeepSpeed)"})
+    exchange: str = field(default="per_choice", metadata={
+        "choices": ["per_choice", "per_rank"],
+        "help": "expert parallelism: a token's row crosses once per choice, or once per destination rank"})
     aux_coef: float = 0.01
     z_loss_coef: float = 0.001
     ep_world_size: int = 1

@@ -51,6 +51,7 @@ class GPTConfig:
     n_shared_experts: int = 0
     shared_expert_gate: bool = False
     expert_init: str = "per_expert_seed"
+    exchange: str = "per_choice"
 
     def __post_init__(self):
         if self.n_embd % self.n_head:
@@ -72,7 +73,7 @@ class GPTConfig:
                     routed_scaling_factor=self.routed_scaling_factor, bias_update_speed=self.bias_update_speed,
                     load_balancing_type=self.load_balancing_type, n_group=self.n_group or None,
                     topk_group=self.topk_group or None, routing=self.routing, n_shared_experts=self.n_shared_experts,
-                    shared_expert_gate=self.shared_expert_gate, expert_init=self.expert_init)
+                    shared_expert_gate=self.shared_expert_gate, expert_init=self.expert_init, exchange=self.exchange)
 
     def routed_experts_per_token(self) -> float:
         """Experts a token's compute runs through on average: k, or the capacity factor under expert choice."""

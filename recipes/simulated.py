@@ -8,7 +8,8 @@ ops whose fake implementations give shapes) and fails where a GPU run would read
 the host. What it cannot show: values, speed, and the numbers a run must read on the host. Those
 reads go through a few named functions, which `HostReads` answers here:
 
-- the split sizes of packed and grouped layouts (`moe.expert_parallel.read_counts`, `read_exchange`):
+- the split sizes of packed and grouped layouts (`moe.expert_parallel.read_counts`, `read_exchange`,
+  `moe.rank_exchange.read_pair_exchange`):
   every rank is taken to keep `rows_per_rank` rows per MoE layer, spread evenly;
 - the fp16 overflow flag (`optim.engine.read_flag`): no overflow;
 - TensorBoard's summed statistics (`optim.monitor.read_stats`): zeros;
@@ -56,6 +57,13 @@ class HostReads:
         assert send_RL.device == META and recv_RL.device == META, "exchanged counts must stay on the device"
         self.reads.append("exchange")
         ranks, local = send_RL.shape
+        per_rank = _spread(self.rows_per_rank, ranks)
+        return per_rank, per_rank, _spread(self.rows_per_rank, local)
+
+    def read_pair_exchange(self, send_RX: torch.Tensor, recv_RX: torch.Tensor):
+        assert send_RX.device == META and recv_RX.device == META, "exchanged counts must stay on the device"
+        self.reads.append("pair exchange")
+        ranks, local = send_RX.shape[0], send_RX.shape[1] - 1
         per_rank = _spread(self.rows_per_rank, ranks)
         return per_rank, per_rank, _spread(self.rows_per_rank, local)
 
@@ -121,7 +129,7 @@ def simulated_world(world_size: int, rank: int = 0, rows_per_rank: int = 0):
     """
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from moe import expert_parallel
+    from moe import expert_parallel, rank_exchange
     from optim import engine, monitor
     from parallel import reset_groups
     from recipes import training
@@ -139,6 +147,7 @@ def simulated_world(world_size: int, rank: int = 0, rows_per_rank: int = 0):
             stack.enter_context(mock.patch.object(engine, "local_device", lambda: META))
             stack.enter_context(mock.patch.dict("os.environ", {"MOE_KERNELS": "triton"}))
             for module, name in ((expert_parallel, "read_counts"), (expert_parallel, "read_exchange"),
+                                 (rank_exchange, "read_pair_exchange"),
                                  (engine, "read_flag"), (monitor, "read_stats"), (training, "read_sums")):
                 stack.enter_context(mock.patch.object(module, name, getattr(reads, name)))
             _fsdp_on_meta(stack)

@@ -4,7 +4,8 @@ layer's host-sync budget with the CUDA branches forced (see tests/simulated/worl
 Sigmoid scoring with the expert bias, the sequence and global-batch losses, group-limited routing,
 shared experts and expert choice keep the layouts' budgets: none in the padded layout and in grouped
 experts in one process, one read per MoE layer under expert parallelism in the packed and grouped
-layouts. The bias stays on the model's device and its update's all-reduce runs there.
+layouts (the per-rank exchange too). The bias stays on the model's device and its update's
+all-reduce runs there.
 """
 
 import pytest
@@ -29,10 +30,10 @@ METHODS = {
 }
 
 
-def _gpt_step(monkeypatch, world, ep, stage, method, compute):
+def _gpt_step(monkeypatch, world, ep, stage, method, compute, **extra):
     cfg = gpt.TrainConfig(n_layer=2, n_head=2, n_embd=32, ffn=64, seq_len=16, batch_size=2, num_experts=8, top_k=2,
                           ep_world_size=ep, stage=stage, dtype="bf16", steps=10, expert_compute=compute,
-                          **METHODS[method])
+                          **{**METHODS[method], **extra})
     rows = cfg.batch_size * cfg.seq_len * cfg.top_k
     with simulated_world(monkeypatch, world, world - 1, rows_per_rank=rows) as log:
         with META:
@@ -46,7 +47,7 @@ def _gpt_step(monkeypatch, world, ep, stage, method, compute):
         for module in model.modules():
             if isinstance(module, MoE) and module.expert_bias is not None:
                 assert module.expert_bias.device == META and module.expert_bias.dtype == torch.float32
-        return log, [r for r in log.reads.reads if r in ("counts", "exchange")], cfg.n_layer // cfg.moe_every
+        return log, [r for r in log.reads.reads if r in ("counts", "exchange", "pair exchange")], cfg.n_layer // cfg.moe_every
 
 
 @pytest.mark.parametrize("method", sorted(METHODS))
@@ -61,6 +62,15 @@ def test_gpt_step_padded_reads_nothing(monkeypatch, method, world, ep, stage):
 def test_gpt_step_grouped_under_expert_parallelism_reads_once_per_layer(monkeypatch, method):
     _, reads, moe_layers = _gpt_step(monkeypatch, 8, 8, 2, method, "grouped")
     assert reads == ["exchange"] * moe_layers
+
+
+@pytest.mark.parametrize("method", ["groups", "expert-choice", "sigmoid-bias"])
+@pytest.mark.parametrize("compute", ["grouped", "packed"])
+def test_gpt_step_per_rank_exchange_reads_once_per_layer(monkeypatch, method, compute):
+    log, reads, moe_layers = _gpt_step(monkeypatch, 8, 8, 3, method, compute, exchange="per_rank")
+    assert reads == ["pair exchange"] * moe_layers
+    # forward: counts, rows, payload, rows back; backward: the three float exchanges reversed
+    assert log.count("all_to_all_single") == 7 * moe_layers
 
 
 @pytest.fixture

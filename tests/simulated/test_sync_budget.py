@@ -3,7 +3,7 @@
 Counted on this CPU with the Triton kernels forced and interpreted (MOE_KERNELS=triton, the branches
 a GPU takes): the gate and the padded layout make no host sync; grouped stacked experts in one
 process make none (device offsets); packed in one process, and packed or grouped under expert
-parallelism, make exactly one per layer (the row counts). The input checks that would sync are
+parallelism, make exactly one per layer (the row counts), with either exchange. The input checks that would sync are
 opt-in (MOE_SYNC_CHECKS=1) and are counted too. The same layer also runs on the meta device,
 where any host read would raise.
 """
@@ -82,7 +82,8 @@ def _expert_parallel_syncs(rank, world_size):
     os.environ["MOE_KERNELS"] = "triton"
     os.environ["TRITON_INTERPRET"] = "1"
     reset_groups()
-    for compute, kwargs in (("grouped", {}), ("packed", {}), ("grouped", dict(dropless=True)), ("padded", {})):
+    for compute, kwargs in (("grouped", {}), ("packed", {}), ("grouped", dict(dropless=True)), ("padded", {}),
+                            ("grouped", dict(exchange="per_rank")), ("packed", dict(exchange="per_rank"))):
         syncs = _count(_layer(compute, ep_size=world_size, **kwargs))
         if compute == "padded":  # on the CPU the equal-token check reads the group's counts (free there)
             assert syncs == ["tolist"], syncs
