@@ -3,8 +3,8 @@
 Counted on this CPU with the Triton kernels forced and interpreted (MOE_KERNELS=triton, the branches
 a GPU takes): the gate and the padded layout make no host sync; grouped stacked experts in one
 process make none (device offsets); packed in one process, and packed or grouped under expert
-parallelism, make exactly one per layer (the row counts), with either exchange. The input checks that would sync are
-opt-in (MOE_SYNC_CHECKS=1) and are counted too. The same layer also runs on the meta device,
+parallelism, make exactly one per layer (the row counts), with either exchange. The input checks
+that would sync are opt-in (MOE_SYNC_CHECKS=1) and are counted too. The same layer also runs on the meta device,
 where any host read would raise.
 """
 
