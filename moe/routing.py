@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels import expert_positions
+from moe.balancing import choice_counts
 
 __all__ = ["Routing", "assign_slots"]
 
@@ -63,9 +64,7 @@ class Routing:
 
     def kept_counts(self) -> torch.Tensor:
         """int64 kept choices per expert after dropping, shape [E] (no host sync: counted by scatter-add)."""
-        index = (self.expert_idx_SK + 1).reshape(-1)  # 0 collects the dropped choices
-        counts = torch.zeros(self.num_experts + 1, dtype=torch.int64, device=index.device)
-        return counts.scatter_add_(0, index, torch.ones_like(index)).narrow(0, 1, self.num_experts)
+        return choice_counts(self.expert_idx_SK, self.num_experts)
 
     def dense(self) -> tuple[torch.Tensor, torch.Tensor]:
         """DeepSpeed's dense form, for tests and interop only: it allocates [S, E, C].
