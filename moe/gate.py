@@ -176,11 +176,11 @@ class TopKGate(torch.nn.Module):
         self.ep_group = ep_group
         self.dp_group = dp_group
         self.wg = torch.nn.Linear(model_dim, num_experts, bias=False).float()
-        cfg = self.config
-        self.register_buffer("expert_bias", torch.zeros(num_experts) if cfg.bias_update_speed > 0 else None)
-        self.register_buffer("step_counts", torch.zeros(num_experts, dtype=torch.int64)
+        cfg, device = self.config, self.wg.weight.device
+        self.register_buffer("expert_bias", torch.zeros(num_experts, device=device) if cfg.bias_update_speed > 0 else None)
+        self.register_buffer("step_counts", torch.zeros(num_experts, dtype=torch.int64, device=device)
                              if cfg.bias_update_speed > 0 else None, persistent=False)
-        self.register_buffer("global_counts", torch.zeros(num_experts, dtype=torch.int64)
+        self.register_buffer("global_counts", torch.zeros(num_experts, dtype=torch.int64, device=device)
                              if cfg.load_balancing_type == "global_aux_loss" else None, persistent=False)
 
     def _apply(self, fn, recurse=True):

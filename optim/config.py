@@ -125,7 +125,9 @@ class OffloadConfig:
 
 @dataclass(kw_only=True)
 class ZeroConfig:
-    """`zero_optimization`: the stage and its offload; the other keys are DeepSpeed tuning knobs."""
+    """`zero_optimization`: the stage, its offload and stage 2's reduction buckets (`reduce_bucket_size`
+    elements each, reduced during the backward; asynchronously with `overlap_comm`); the other keys are
+    DeepSpeed tuning knobs."""
 
     stage: int = 0
     offload_optimizer: OffloadConfig = field(default_factory=OffloadConfig)
@@ -154,6 +156,7 @@ class ZeroConfig:
             raise ValueError(
                 f"zero_optimization.offload_param needs stage 3, got stage {self.stage}"
             )
+        _check_range("zero_optimization.reduce_bucket_size", self.reduce_bucket_size, 1)
 
 
 @dataclass(kw_only=True)
@@ -204,7 +207,7 @@ class EngineConfig:
 # Keys DeepSpeed knows that change nothing in this engine; a user who sets them is told once.
 _WITHOUT_EFFECT = {
     "zero_optimization": (
-        "overlap_comm", "reduce_bucket_size", "contiguous_gradients", "allgather_partitions",
+        "contiguous_gradients", "allgather_partitions",
         "allgather_bucket_size", "reduce_scatter", "round_robin_gradients", "sub_group_size",
         "stage3_max_live_parameters", "stage3_max_reuse_distance", "stage3_prefetch_bucket_size",
         "stage3_param_persistence_threshold", "stage3_gather_16bit_weights_on_model_save",

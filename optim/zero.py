@@ -6,8 +6,9 @@ unit's `proxy` parameter (this rank's piece of the master weights):
 - `FlatGroup` (stages 0, 1, 2, written here; torch has no element-balanced ZeRO-1/2): the group's
   parameters become views into one flat buffer, padded to a multiple of the reduction group's size.
   Stage 0 all-reduces the flat gradient and steps on all of it; stage 1 all-reduces it and steps on
-  this rank's slice; stage 2 reduce-scatters after every micro-batch into a persistent gradient shard,
-  so full gradients never outlive one backward. After the step the updated slices are all-gathered.
+  this rank's slice; stage 2 reduces gradients during the backward, bucket by bucket as they are
+  produced, into a persistent gradient shard (`optim.buckets`), so a full gradient never outlives
+  its bucket. After the step the updated slices are all-gathered.
 - `ShardedParam` (stage 3): the parameter is a DTensor sharded by torch's `fully_shard`; the proxy
   is its local shard and its gradient FSDP's reduce-scattered local gradient.
 
@@ -25,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from optim.buckets import GradientBuckets
 from parallel import data_before_expert, expert_ids, is_moe_param
 
 __all__ = ["FlatGroup", "ParamInfo", "ShardedParam", "describe_parameters", "shard_placement"]
@@ -82,22 +84,14 @@ def describe_parameters(model: nn.Module, ep_rank_of) -> dict[int, ParamInfo]:
     return infos
 
 
-def _reduce(tensor: torch.Tensor, group, divisor: float, scatter_into: torch.Tensor | None = None) -> None:
-    """Sum over `group` and divide, in fp32 on the wire; into `scatter_into` (this rank's slice) when given."""
+def _reduce(tensor: torch.Tensor, group, divisor: float) -> None:
+    """All-reduce over `group` and divide, in fp32 on the wire."""
     wire = tensor if tensor.dtype in (torch.float32, torch.float64) else tensor.float()
-    if scatter_into is None:
-        if group is not None:
-            dist.all_reduce(wire, group=group)
-        wire.div_(divisor)
-        if wire is not tensor:
-            tensor.copy_(wire)
-        return
-    out = torch.empty(scatter_into.shape, dtype=wire.dtype, device=wire.device)
     if group is not None:
-        dist.reduce_scatter_single(out, wire, group=group)
-    else:
-        out.copy_(wire)
-    scatter_into.add_(out.div_(divisor))
+        dist.all_reduce(wire, group=group)
+    wire.div_(divisor)
+    if wire is not tensor:
+        tensor.copy_(wire)
 
 
 class FlatGroup:
@@ -111,11 +105,15 @@ class FlatGroup:
         master_dtype: dtype of the master weights (fp32, or bf16 with bf16 master weights).
         state_dtype: dtype the optimizer steps in (its states take this dtype).
         master_device: where master weights and optimizer states live (host memory when offloaded).
+        divisor: reduced gradients are divided by this (the data-parallel world size).
+        bucket_size: stage 2's reduction bucket, in elements (zero_optimization.reduce_bucket_size).
+        overlap: stage 2 reduces asynchronously, beside the backward (zero_optimization.overlap_comm).
     """
 
     def __init__(self, infos: list[ParamInfo], group, group_size: int, group_rank: int, stage: int,
-                 master_dtype: torch.dtype, state_dtype: torch.dtype, master_device: torch.device):
-        self.infos, self.group, self.stage = infos, group, stage
+                 master_dtype: torch.dtype, state_dtype: torch.dtype, master_device: torch.device,
+                 divisor: float = 1.0, bucket_size: int = 500_000_000, overlap: bool = False):
+        self.infos, self.group, self.stage, self.divisor = infos, group, stage, divisor
         self.group_size, self.group_rank = group_size, group_rank
         self.expert = infos[0].expert
         params = [info.param for info in infos]
@@ -149,6 +147,10 @@ class FlatGroup:
         self.accumulate = grad_dtype != dtype
         self.flat_grad = torch.zeros_like(self.flat, dtype=grad_dtype) if stage <= 1 else None
         self.grad_shard = torch.zeros(self.shard, dtype=grad_dtype, device=device) if stage == 2 else None
+        self.buckets = GradientBuckets(
+            params, self.offsets, self.shard, self.grad_shard, group, group_size, group_rank, divisor, bucket_size,
+            overlap, grad_dtype if grad_dtype in (torch.float32, torch.float64) else torch.float32,
+        ) if stage == 2 else None
         self._point_grads()
 
     def _views(self, buffer: torch.Tensor):
@@ -166,33 +168,23 @@ class FlatGroup:
                 view.copy_(param.grad)
             param.grad = view
 
-    def micro_step(self, divisor: float) -> None:
-        """After each backward: stage 2 reduce-scatters the gradients into its shard and frees them;
-        stages 0/1 with a wider gradient buffer add them into it."""
-        if self.stage != 2:
-            if self.accumulate:
-                with torch.no_grad():
-                    for param, view in self._views(self.flat_grad):
-                        if param.grad is not None:
-                            view.add_(param.grad)
-                            param.grad = None
-            return
-        grads = [p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel(), dtype=p.dtype, device=p.device)
-                 for p in (info.param for info in self.infos)]
-        padding = self.flat.numel() - self.total
-        if padding:
-            grads.append(torch.zeros(padding, dtype=self.flat.dtype, device=self.flat.device))
-        flat = torch.cat(grads)
-        _reduce(flat.to(self.grad_shard.dtype) if self.accumulate else flat, self.group, divisor,
-                scatter_into=self.grad_shard)
-        for info in self.infos:
-            info.param.grad = None
+    def micro_step(self) -> None:
+        """After each backward: stage 2 sends the buckets still waiting and has every gradient in its
+        shard; stages 0/1 with a wider gradient buffer add the gradients into it."""
+        if self.stage == 2:
+            self.buckets.finish()
+        elif self.accumulate:
+            with torch.no_grad():
+                for param, view in self._views(self.flat_grad):
+                    if param.grad is not None:
+                        view.add_(param.grad)
+                        param.grad = None
 
-    def reduce(self, divisor: float) -> None:
+    def reduce(self) -> None:
         """At the accumulation boundary: stages 0/1 all-reduce the flat gradient."""
         if self.stage <= 1:
             self._point_grads()
-            _reduce(self.flat_grad, self.group, divisor)
+            _reduce(self.flat_grad, self.group, self.divisor)
 
     def grad(self) -> torch.Tensor:
         """This rank's reduced gradient slice (model dtype; fp32 for bf16 models with fp32 master weights)."""
@@ -209,8 +201,8 @@ class FlatGroup:
         own = self.flat[self.lo : self.lo + self.shard]
         if self.separate:
             own.copy_(self.master)
-        if self.stage >= 1 and self.group is not None:
-            dist.all_gather_single(self.flat, own.clone(), group=self.group)
+        if self.stage >= 1 and self.group is not None:  # in place: this rank's slice is its own input (NCCL and gloo)
+            dist.all_gather_single(self.flat, own, group=self.group)
 
     def zero_grad(self) -> None:
         if self.flat_grad is not None:
@@ -220,6 +212,7 @@ class FlatGroup:
             for info in self.infos:
                 info.param.grad = None
         if self.grad_shard is not None:
+            self.buckets.discard()
             self.grad_shard.zero_()
             for info in self.infos:
                 info.param.grad = None
@@ -306,10 +299,10 @@ class ShardedParam:
         with torch.no_grad():  # a persistent sharded gradient, accumulated into by FSDP's reduce-scatter
             param.grad = torch.zeros_like(param)
 
-    def micro_step(self, divisor: float) -> None:
+    def micro_step(self) -> None:
         pass
 
-    def reduce(self, divisor: float) -> None:
+    def reduce(self) -> None:
         pass
 
     def grad(self) -> torch.Tensor:

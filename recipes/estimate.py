@@ -23,16 +23,14 @@ import contextlib
 import dataclasses
 import sys
 import time
-import weakref
 from dataclasses import dataclass, field
 from unittest import mock
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from moe import split_params_into_different_moe_groups_for_optimizer
 from optim import initialize
+from optim.memory import LiveBytes
 from recipes import gpt
 from recipes.cli import engine_config, fail, flag_parser
 from recipes.gpt_model import GPT
@@ -62,32 +60,6 @@ class EstimateConfig:
     dtype: str = field(default="bf16", metadata={"choices": ["fp32", "bf16", "fp16"]})
     rank: int = field(default=0, metadata={"help": "the rank whose memory is measured"})
     gpu_memory_gb: float = field(default=80.0, metadata={"help": "memory per GPU, for the verdict"})
-
-
-class _LiveBytes(TorchDispatchMode):
-    """Bytes of the tensor storages created under it that are still alive, and their peak."""
-
-    def __init__(self):
-        super().__init__()
-        self.live = self.peak = 0
-        self._seen: set[int] = set()
-
-    def _free(self, key: int, nbytes: int) -> None:
-        self._seen.discard(key)
-        self.live -= nbytes
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for tensor in tree_leaves(out):
-            if isinstance(tensor, torch.Tensor) and not hasattr(tensor, "to_local"):
-                storage = tensor.untyped_storage()
-                key = storage._cdata
-                if key not in self._seen:  # a new storage (views and in-place results share theirs)
-                    self._seen.add(key)
-                    self.live += storage.nbytes()
-                    self.peak = max(self.peak, self.live)
-                    weakref.finalize(storage, self._free, key, storage.nbytes())
-        return out
 
 
 def _flash_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **kwargs):
@@ -139,7 +111,7 @@ def estimate(cfg: EstimateConfig) -> dict:
         engine, *_ = initialize(model, model_parameters=groups, config=engine_config(fragments, set(), ""))
         tokens = torch.randint(256, (cfg.micro_batch, cfg.seq_len + 1))
         gpt.train_step(engine, train_cfg, tokens[:, :-1], tokens[:, 1:])  # the optimizer states now exist
-        tracker, at_backward = _LiveBytes(), []
+        tracker, at_backward = LiveBytes(), []
         backward = engine.backward
         engine.backward = lambda loss: (at_backward.append(tracker.live), backward(loss))[1]
         with tracker:

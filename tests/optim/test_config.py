@@ -31,6 +31,8 @@ def test_batch_sizes_imply_each_other():
 
 @pytest.mark.parametrize("extra, error, match", [
     ({"zero_optimization": {"stage": 5}}, ValueError, r"zero_optimization.stage must be 0, 1, 2 or 3, got 5"),
+    ({"zero_optimization": {"stage": 2, "reduce_bucket_size": 0}}, ValueError,
+     r"zero_optimization.reduce_bucket_size must be >= 1, got 0"),
     ({"zero_optimization": {"stage": "2"}}, TypeError, r"zero_optimization.stage must be int, got str '2'"),
     ({"zero_optimization": {"stages": 2}}, ValueError, r"unknown config key zero_optimization.stages"),
     ({"fp16": {"enabled": True, "loss_scale_windw": 10}}, ValueError, r"unknown config key fp16.loss_scale_windw"),
@@ -62,16 +64,18 @@ def test_bad_optimizer_and_scheduler_params_fail_before_training():
 def test_json_path_and_compatibility_keys_warn_once(tmp_path):
     path = tmp_path / "ds.json"
     path.write_text(json.dumps({"train_batch_size": 4, "zero_optimization": {"stage": 2, "overlap_comm": True,
-                                "reduce_bucket_size": 5e8, "offload_optimizer": {"device": "cpu", "buffer_count": 2}}}))
+                                "reduce_bucket_size": 5e8, "contiguous_gradients": True,
+                                "offload_optimizer": {"device": "cpu", "buffer_count": 2}}}))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         config = parse_config(str(path), 1)
     assert config.zero_optimization.stage == 2 and config.zero_optimization.offload_optimizer.device == "cpu"
     messages = [str(w.message) for w in caught]
     assert len(messages) == 1, messages
-    for key in ("zero_optimization.overlap_comm", "zero_optimization.reduce_bucket_size",
-                "zero_optimization.offload_optimizer.buffer_count"):
+    for key in ("zero_optimization.contiguous_gradients", "zero_optimization.offload_optimizer.buffer_count"):
         assert key in messages[0]
+    assert "overlap_comm" not in messages[0] and "reduce_bucket_size" not in messages[0]  # stage 2 uses them
+    assert config.zero_optimization.reduce_bucket_size == 500_000_000 and config.zero_optimization.overlap_comm
 
 
 def test_offload_on_a_cpu_only_machine_is_reported_without_effect():

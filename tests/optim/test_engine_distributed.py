@@ -2,7 +2,9 @@
 
 World 4, ep 1 and 2, ZeRO stages 0-3, gradient accumulation 2, clipping on (the clip threshold is
 small enough to bite): after 3 optimizer steps every parameter, gathered by
-`consolidated_state_dict`, equals plain torch AdamW on the same micro-batches. A bf16 twin stays
+`consolidated_state_dict`, equals plain torch AdamW on the same micro-batches. Stage 2 also runs
+with small reduction buckets (one parameter each; a few parameters, cut across shard boundaries),
+reduced during the backward synchronously and overlapped. A bf16 twin stays
 within bf16 tolerance of the fp32 run, and `memory_breakdown` follows the ZeRO accounting.
 """
 
@@ -20,16 +22,21 @@ BF16 = {"rtol": 1e-2, "atol": 5e-3}
 # SGD for the bf16 twin: its update is linear in the gradient, so a wrong gradient shows; Adam's
 # normalised update flips sign on near-zero gradients and would hide or exaggerate precision effects.
 SGD = {"type": "SGD", "params": {"lr": 1.0, "momentum": 0.9}}
+# AdamW's update (and clipping) hide a gradient's scale, so a wrong divisor shows only under SGD without clipping.
+SGD_SMALL = {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}}
 # Every token goes to every expert with room to spare: top-k choices and capacity drops are
 # discontinuous, and a near tie decided differently in bf16 would change a gradient by a whole token.
 CONTINUOUS = {"k": 4, "capacity_factor": 2.0}
 WORLD, ACCUMULATION, CLIP, STEPS = 4, 2, 0.05, 3
 
 
-def _reference_state():
+def _reference_state(sgd=False):
     reference = Net(ep_size=1)
-    optimizer = torch.optim.AdamW(reference.parameters(), lr=0.01, weight_decay=0.1)
-    reference_steps(reference, optimizer, STEPS, WORLD, ACCUMULATION, CLIP)
+    if sgd:
+        optimizer = torch.optim.SGD(reference.parameters(), lr=SGD_SMALL["params"]["lr"], momentum=0.9)
+    else:
+        optimizer = torch.optim.AdamW(reference.parameters(), lr=0.01, weight_decay=0.1)
+    reference_steps(reference, optimizer, STEPS, WORLD, ACCUMULATION, 0 if sgd else CLIP)
     return reference.state_dict()
 
 
@@ -40,15 +47,26 @@ def _train(rank, ep_size, stage, clip=CLIP, net=None, **extra):
     return engine, engine.consolidated_state_dict()
 
 
+# stage 2's reduction buckets: (bucket size in elements, overlap_comm)
+BUCKETS = [(1, False), (1, True), (40, True), (150, False)]
+
+
 def _check_equivalence(rank, world, ep_size):
-    expected = _reference_state() if rank == 0 else None
-    for stage in (0, 1, 2, 3):
-        engine, state = _train(rank, ep_size, stage)
+    expected = {False: _reference_state(), True: _reference_state(sgd=True)} if rank == 0 else None
+    buckets = [{"zero_optimization": {"stage": 2, "reduce_bucket_size": size, "overlap_comm": overlap}}
+               for size, overlap in BUCKETS]
+    layouts = [(stage, {}) for stage in (0, 1, 2, 3)] + [(2, extra) for extra in buckets] + [
+        (stage, {**extra, "optimizer": SGD_SMALL, "clip": 0}) for stage, extra in [(0, {}), (2, {})]
+        + [(2, extra) for extra in buckets[::2]]]
+    for stage, extra in layouts:
+        sgd = "clip" in extra
+        engine, state = _train(rank, ep_size, stage, **extra)
+        state_expected = expected[sgd] if rank == 0 else None
         assert engine.global_steps == STEPS
         if rank == 0:
-            assert state.keys() == expected.keys(), (stage, sorted(state), sorted(expected))
-            for name, value in expected.items():
-                torch.testing.assert_close(state[name], value, **FP32, msg=lambda m: f"stage {stage} {name}: {m}")
+            assert state.keys() == state_expected.keys(), (stage, sorted(state), sorted(state_expected))
+            for name, value in state_expected.items():
+                torch.testing.assert_close(state[name], value, **FP32, msg=lambda m: f"stage {stage} {extra} {name}: {m}")
                 if "weight" in name:
                     assert not torch.equal(value, Net(1).state_dict()[name]), f"{name} never moved"
 

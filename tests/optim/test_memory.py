@@ -11,7 +11,10 @@ which is checked per part.
 """
 
 
+import torch
+
 from optim import initialize
+from optim.memory import LiveBytes
 from parallel import expert_groups, reset_groups
 from tests.distributed import run_distributed
 from tests.optim.models import Net, batch, config, loss_of
@@ -70,3 +73,52 @@ def _check(rank, world):
 
 def test_memory_breakdown_follows_zero_accounting():
     run_distributed(_check, WORLD, timeout_s=400)
+
+
+# Stage 2's gradient memory, measured: storages watched by optim.memory.LiveBytes, not the accounting.
+# A stack of Linear layers on 2 ranks, one layer per reduction bucket, a batch of 2 (activations are
+# tiny): the gradient shard plus whatever the backward and the engine step allocate, at their peak.
+
+WIDTH, LAYERS = 64, 8
+PER_LAYER = WIDTH * WIDTH + WIDTH  # elements of one Linear: one reduction bucket
+
+
+def _gradient_bytes(rank, stage, bucket_size, overlap=True):
+    """(persistent gradient bytes, the most bytes a step's backward and engine step allocated at once)."""
+    reset_groups()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)])
+    zero = {"stage": stage, "reduce_bucket_size": bucket_size, "overlap_comm": overlap}
+    tracker = LiveBytes()
+    with tracker:
+        engine, *_ = initialize(model, config={**config(stage, accumulation=1, clip=1.0), "zero_optimization": zero})
+        x = torch.randn(2, WIDTH, generator=torch.Generator().manual_seed(rank))
+        for _ in range(2):  # the second step: optimizer states exist, as in any later step
+            loss = engine(x).square().mean()
+            tracker.reset_peak()
+            before = tracker.live
+            engine.backward(loss)
+            engine.step()
+            step_peak = tracker.peak - before
+    held = sum(unit.grad().untyped_storage().nbytes() for unit in engine.units)
+    return held, step_peak
+
+
+def _check_gradient_memory(rank, world):
+    gradients = LAYERS * PER_LAYER * 4  # fp32
+    bucket = PER_LAYER * 4
+    slack = 1024  # activation gradients (2 x 64 floats), the loss, clipping's scalars
+    for overlap in (True, False):
+        held, step_peak = _gradient_bytes(rank, 2, PER_LAYER, overlap)
+        assert held <= gradients / world + 64, (held, gradients / world)  # the shard, padded to a multiple of W
+        assert held + step_peak <= gradients / world + 2 * bucket + slack, \
+            f"stage 2 gradient memory {held + step_peak} bytes > 1/{world} of {gradients} + two buckets of {bucket}"
+    # one bucket of everything (DeepSpeed's default size) holds every gradient at once; stage 1 keeps them all
+    _, one_bucket_peak = _gradient_bytes(rank, 2, 500_000_000)
+    assert one_bucket_peak >= gradients, (one_bucket_peak, gradients)
+    stage1_held, _ = _gradient_bytes(rank, 1, PER_LAYER)
+    assert stage1_held >= gradients
+
+
+def test_stage2_gradient_memory_is_a_shard_plus_two_buckets():
+    run_distributed(_check_gradient_memory, 2, timeout_s=120)

@@ -1,5 +1,7 @@
 """The defects a first GPU run would have hit, each shown fixed (on CPU, gloo, or the simulated world)."""
 
+import functools
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -84,11 +86,15 @@ def test_bf16_gradients_accumulate_in_fp32(stage):
     step = engine.optimizer.step
     engine.optimizer.step = lambda: (stepped.extend(u.proxy.grad.clone() for u in engine.units), step())[1]
     expected = {}
+
+    def add(param, grad):  # each micro-batch's bf16 gradient, summed in fp32 (stage 2 frees .grad in the backward)
+        expected[id(param)] = expected.get(id(param), 0) + grad.float()
+
+    for p in engine.module.parameters():
+        p.register_hook(functools.partial(add, p))
     for micro in range(accumulation):
         x, y = batch(0, micro, 0)
         engine.backward(loss_of(engine(x), y))
-        for p in engine.module.parameters():  # each micro-batch's bf16 gradient, summed in fp32
-            expected[id(p)] = expected.get(id(p), 0) + p.grad.float()
         engine.step()
     for unit, grad in zip(engine.units, stepped):
         assert grad.dtype == torch.float32

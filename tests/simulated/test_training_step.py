@@ -51,6 +51,8 @@ def test_gpt_step_padded(monkeypatch, world, ep, stage, dtype):
         assert log.count("all_to_all_single") == 4 * moe_layers
     if stage == 3 and world > 1:
         assert log.count("all_gather_single") > 0 and log.count("reduce_scatter_single") > 0
+    if stage == 2 and world > 1:  # gradients reduced to their shards' owners during the backward, on the device
+        assert log.count("reduce") > 0 and log.count("reduce_scatter_single") == 0
 
 
 @pytest.mark.parametrize("layout", ["grouped", "packed", "dropless"])

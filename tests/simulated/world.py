@@ -15,7 +15,7 @@ from recipes.simulated import META, simulated_world as _simulated_world
 __all__ = ["META", "CollectiveLog", "simulated_world"]
 
 COLLECTIVES = ("all_to_all_single", "all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor", "broadcast",
-               "all_gather", "reduce_scatter", "all_gather_single", "reduce_scatter_single", "all_to_all")
+               "all_gather", "reduce_scatter", "all_gather_single", "reduce_scatter_single", "all_to_all", "reduce")
 
 
 class CollectiveLog:
