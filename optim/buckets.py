@@ -1,37 +1,52 @@
 """Gradient buckets: ZeRO-2's reduction during the backward, as each bucket of gradients fills.
 
-A flat group's parameters, taken in reverse order (the order a backward produces their gradients),
-are cut into buckets of at most `bucket_size` elements, whole parameters each (a parameter larger
-than that is a bucket of its own). A post-accumulate-grad hook copies each gradient into its
-bucket's buffer and frees it at once. When a bucket is complete, and every bucket before it has gone
-out, its elements are reduced to the ranks that own them: the flat buffer's shards are contiguous
-(rank r owns [r * shard, (r + 1) * shard)), so a bucket overlaps one owner's shard, or two at a
-shard boundary, and gets one `dist.reduce` per owner, as DeepSpeed's stage 2 does. Every element
-crosses the wire once, the same bytes as one reduce-scatter.
+One `GradientBuckets` serves every stage-2 flat group of an engine (dense groups over the
+data-parallel group, expert groups over their expert-data-parallel group). Each group's parameters
+are cut, last first, into buckets of at most `bucket_size` elements, whole parameters each (a
+parameter larger than that is a bucket of its own); all buckets go into one sending order, the
+order a backward completes them (by the earliest-registered parameter each holds, latest first).
+A post-accumulate-grad hook copies each gradient into its bucket's buffer and frees it at once.
+When a bucket is complete, and every bucket before it in the sending order has gone out, its
+elements are reduced to the ranks that own them: a flat group's shards are contiguous (rank r owns
+[r * shard, (r + 1) * shard)), so a bucket overlaps one owner's shard, or two at a shard boundary,
+and gets one `dist.reduce` per owner, as DeepSpeed's stage 2 does. Every element crosses the wire
+once, the same bytes as one reduce-scatter.
+
+The one sending order is what keeps ranks in step: collectives on one process group must be issued
+in the same order everywhere, and dense groups share the data-parallel group. Every rank sends the
+same buckets in the same order whatever order its hooks fire in; a bucket with a parameter that got
+no gradient waits, with every bucket after it, until `finish` at the end of the micro-batch, where
+the missing gradient counts as zeros. Ranks whose backward reaches a bucket at different points
+(a parameter used on one rank and not on another) still send in the same order; as with
+DistributedDataParallel, a model whose ranks use different parameters around another collective
+(an expert-parallel all-to-all) can make one rank wait for another that waits in turn.
 
 With `overlap` the reduces are asynchronous and run beside the rest of the backward: a bucket on
-the wire is waited for, added (divided) into this rank's gradient shard, and its buffer handed to
+the wire is waited for, added (divided) into its group's gradient shard, and its buffer handed to
 the next bucket when that bucket takes its first gradient (the backward that computed that gradient
 ran beside the reduce), or when the next bucket goes out. Buffers are reused within a micro-batch
 and released at its end, so when gradients arrive in bucket order one buffer serves every bucket
 and at most two buckets' worth of gradients are alive: the buffer and the gradient autograd just
-handed over. Buckets go out in the same order on every rank whatever order the hooks fire in (a
-complete bucket waits for the ones before it; one that fills early takes a buffer of its own), and
-`finish` sends whatever is left at the end of the micro-batch: a parameter that got no gradient, on
-this rank or in this backward, counts as zeros.
+handed over. A second gradient for a parameter in one micro-batch is added in while its bucket has
+not gone out (reentrant checkpointing); once every bucket has gone out, it starts a new round (a
+second backward before `engine.step()`: the shards add up both); in between it is an error.
 """
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["GradientBuckets"]
+__all__ = ["FlatShard", "GradientBuckets", "release_hooks"]
+
+_HOOK = "_zero2_bucket_hook"  # the parameter attribute holding its hook's handle
 
 
-class GradientBuckets:
-    """Reduce a flat group's gradients into this rank's shard, bucket by bucket, during the backward.
+@dataclass
+class FlatShard:
+    """One flat group's side of the reduction.
 
     Args:
         params: the group's parameters, in flat-buffer order.
@@ -40,119 +55,167 @@ class GradientBuckets:
         shard_out: this rank's gradient shard (fp32, or the model dtype), added into.
         group: the reduction process group, None alone.
         group_size, group_rank: its size and this rank's position.
-        divisor: the sum is divided by this (the data-parallel world size).
-        bucket_size: elements per bucket (at most, unless one parameter is larger; whole parameters).
-        overlap: reduce asynchronously, beside the rest of the backward.
         wire_dtype: the dtype buckets are reduced in (fp32 for half-precision gradients).
     """
 
-    def __init__(self, params: list[nn.Parameter], offsets: list[int], shard: int, shard_out: torch.Tensor, group,
-                 group_size: int, group_rank: int, divisor: float, bucket_size: int, overlap: bool,
-                 wire_dtype: torch.dtype):
-        self.params, self.offsets, self.shard, self.shard_out = params, offsets, shard, shard_out
-        self.group, self.group_size, self.group_rank = group, group_size, group_rank
-        self.divisor, self.overlap, self.wire_dtype = divisor, overlap, wire_dtype
-        self.buckets = _cut(params, offsets, bucket_size)  # (lo, hi, member indices), in sending order
-        self.bucket_of = {i: b for b, (_, _, members) in enumerate(self.buckets) for i in members}
-        self.handles = [param.register_post_accumulate_grad_hook(functools.partial(self._ready, i))
-                        for i, param in enumerate(params)]
-        self.largest = max((hi - lo for lo, hi, _ in self.buckets), default=0)
+    params: list[nn.Parameter]
+    offsets: list[int]
+    shard: int
+    shard_out: torch.Tensor
+    group: object
+    group_size: int
+    group_rank: int
+    wire_dtype: torch.dtype
+
+
+@dataclass
+class _Bucket:
+    flat: int  # which FlatShard
+    lo: int
+    hi: int
+    members: list[int]  # parameter indices within the flat group
+
+
+def release_hooks(params) -> None:
+    """Remove the bucket hooks an earlier engine left on these parameters (a rebuilt engine must not
+    have its gradients taken by the old one)."""
+    for param in params:
+        handle = getattr(param, _HOOK, None)
+        if handle is not None:
+            handle.remove()
+            delattr(param, _HOOK)
+
+
+class GradientBuckets:
+    """Reduce the gradients of stage-2 flat groups into this rank's shards, bucket by bucket, in the backward.
+
+    Args:
+        flats: each flat group's side.
+        position: a parameter's registration index in the model (by id); buckets are sent latest first.
+        divisor: reduced gradients are divided by this (the data-parallel world size).
+        bucket_size: elements per bucket (at most, unless one parameter is larger; whole parameters).
+        overlap: reduce asynchronously, beside the rest of the backward.
+    """
+
+    def __init__(self, flats: list[FlatShard], position: dict[int, int], divisor: float, bucket_size: int,
+                 overlap: bool):
+        self.flats, self.divisor, self.overlap = flats, divisor, overlap
+        buckets = [_Bucket(f, lo, hi, members) for f, flat in enumerate(flats)
+                   for lo, hi, members in _cut(flat.params, flat.offsets, bucket_size)]
+        first = [min(position.get(id(flats[b.flat].params[i]), 0) for i in b.members) for b in buckets]
+        self.buckets = [b for _, b in sorted(zip(first, buckets), key=lambda pair: -pair[0])]
+        self.bucket_of = {(b.flat, i): n for n, b in enumerate(self.buckets) for i in b.members}
+        self.largest = max((b.hi - b.lo for b in self.buckets), default=0)
         self.peak_buffers = 0  # most buffer elements held at once (for tests and reports)
+        for f, flat in enumerate(flats):
+            release_hooks(flat.params)
+            for i, param in enumerate(flat.params):
+                setattr(param, _HOOK, param.register_post_accumulate_grad_hook(functools.partial(self._ready, f, i)))
         self._reset()
 
     def _reset(self) -> None:
-        self.spare: list[torch.Tensor] = []  # buffers of drained buckets, for the next ones
+        self.spare: dict[torch.dtype, list[torch.Tensor]] = {}  # buffers of drained buckets, for the next ones
         self.buffers = [None] * len(self.buckets)
-        self.missing = [len(members) for _, _, members in self.buckets]
-        self.done = [False] * len(self.params)
+        self.missing = [len(b.members) for b in self.buckets]
+        self.done = {(b.flat, i): False for b in self.buckets for i in b.members}
         self.next = 0  # the next bucket to send
         self.in_flight = None  # (bucket index, async works)
 
     # 1. A gradient arrives: into its bucket, freed, and every complete bucket in order goes out.
 
     @torch.no_grad()
-    def _ready(self, index: int, param: nn.Parameter) -> None:
-        if self.done[index]:
-            raise RuntimeError("a parameter got a second gradient in one micro-batch under ZeRO stage 2: call "
-                               "engine.step() after each backward")
-        bucket = self.bucket_of[index]
-        start = self.offsets[index] - self.buckets[bucket][0]
-        self._buffer(bucket)[start:start + param.numel()].copy_(param.grad.reshape(-1))
+    def _ready(self, flat: int, index: int, param: nn.Parameter) -> None:
+        n = self.bucket_of[(flat, index)]
+        bucket = self.buckets[n]
+        if self.done[(flat, index)] and n < self.next:
+            if self.next < len(self.buckets):
+                raise RuntimeError(
+                    f"a parameter of shape {list(param.shape)} got a second gradient in one micro-batch after its "
+                    "ZeRO-2 bucket had been reduced, while an earlier bucket still waits for a parameter that got no "
+                    "gradient: call engine.step() after each backward, or raise zero_optimization.reduce_bucket_size")
+            self._drain()  # every bucket went out: another backward in this micro-batch starts a new round
+            self._reset()
+        start = self.flats[flat].offsets[index] - bucket.lo
+        view = self._buffer(n)[start:start + param.numel()]
+        if self.done[(flat, index)]:
+            view.add_(param.grad.reshape(-1))
+        else:
+            view.copy_(param.grad.reshape(-1))
+            self.done[(flat, index)] = True
+            self.missing[n] -= 1
         param.grad = None
-        self.done[index] = True
-        self.missing[bucket] -= 1
         while self.next < len(self.buckets) and self.missing[self.next] == 0:
             self._send(self.next)
             self.next += 1
 
-    def _buffer(self, bucket: int) -> torch.Tensor:
+    def _buffer(self, n: int) -> torch.Tensor:
         """The bucket's buffer: the bucket on the wire finishes first and hands over its buffer, if any."""
-        if self.buffers[bucket] is None:
+        if self.buffers[n] is None:
             self._drain()
-            lo, hi, _ = self.buckets[bucket]
-            whole = self.spare.pop() if self.spare else \
-                torch.empty(self.largest, dtype=self.wire_dtype, device=self.shard_out.device)
-            self.buffers[bucket] = whole  # the bucket uses its first hi - lo elements
-            held = self.largest * (sum(b is not None for b in self.buffers) + len(self.spare))
+            flat = self.flats[self.buckets[n].flat]
+            pool = self.spare.setdefault(flat.wire_dtype, [])
+            self.buffers[n] = pool.pop() if pool else \
+                torch.empty(self.largest, dtype=flat.wire_dtype, device=flat.shard_out.device)
+            held = self.largest * (sum(b is not None for b in self.buffers) + sum(map(len, self.spare.values())))
             self.peak_buffers = max(self.peak_buffers, held)
-        return self.buffers[bucket][:self.buckets[bucket][1] - self.buckets[bucket][0]]
+        bucket = self.buckets[n]
+        return self.buffers[n][:bucket.hi - bucket.lo]  # a bucket uses the first hi - lo elements
 
-    def _zero_missing(self, bucket: int) -> None:
-        """Zeros where a member got no gradient (the buffer holds a previous bucket's values there)."""
-        lo, _, members = self.buckets[bucket]
-        for index in members:
-            if not self.done[index]:
-                start = self.offsets[index] - lo
-                self.buffers[bucket][start:start + self.params[index].numel()].zero_()
+    def _zero_missing(self, n: int) -> None:
+        """Zeros where a member got no gradient (the buffer holds an earlier bucket's values there)."""
+        bucket = self.buckets[n]
+        flat = self.flats[bucket.flat]
+        for index in bucket.members:
+            if not self.done[(bucket.flat, index)]:
+                start = flat.offsets[index] - bucket.lo
+                self.buffers[n][start:start + flat.params[index].numel()].zero_()
 
     # 2. A bucket goes out: one reduce per owner of the elements it holds.
 
-    def _owners(self, lo: int, hi: int):
-        """(owner rank, start, end) of each shard that [lo, hi) overlaps, in flat coordinates."""
-        for rank in range(lo // self.shard, min((hi - 1) // self.shard, self.group_size - 1) + 1):
-            yield rank, max(lo, rank * self.shard), min(hi, (rank + 1) * self.shard)
-
-    def _send(self, bucket: int) -> None:
+    def _send(self, n: int) -> None:
         self._drain()
-        lo, hi, _ = self.buckets[bucket]
-        buffer = self._buffer(bucket)
-        self._zero_missing(bucket)
+        bucket = self.buckets[n]
+        flat = self.flats[bucket.flat]
+        buffer = self._buffer(n)
+        self._zero_missing(n)
         works = []
-        if self.group is not None:
-            for rank, start, end in self._owners(lo, hi):
-                work = dist.reduce(buffer[start - lo:end - lo], dst=dist.get_global_rank(self.group, rank),
-                                   group=self.group, async_op=self.overlap)
-                works.append(work)
-        self.in_flight = (bucket, works)
+        if flat.group is not None:
+            for rank, start, end in _owners(bucket.lo, bucket.hi, flat.shard, flat.group_size):
+                works.append(dist.reduce(buffer[start - bucket.lo:end - bucket.lo],
+                                         dst=dist.get_global_rank(flat.group, rank), group=flat.group,
+                                         async_op=self.overlap))
+        self.in_flight = (n, works)
         if not self.overlap:
             self._drain()
 
     def _drain(self) -> None:
-        """Wait for the bucket on the wire, add this rank's part into the shard, free its buffer."""
+        """Wait for the bucket on the wire, add this rank's part into its shard, keep its buffer for the next."""
         if self.in_flight is None:
             return
-        bucket, works = self.in_flight
+        n, works = self.in_flight
         for work in works:
             if work is not None:
                 work.wait()
-        lo, hi, _ = self.buckets[bucket]
-        mine_lo, mine_hi = self.group_rank * self.shard, (self.group_rank + 1) * self.shard
-        start, end = max(lo, mine_lo), min(hi, mine_hi)
+        bucket = self.buckets[n]
+        flat = self.flats[bucket.flat]
+        mine_lo = flat.group_rank * flat.shard
+        start, end = max(bucket.lo, mine_lo), min(bucket.hi, mine_lo + flat.shard)
         if start < end:
-            part = self.buffers[bucket][start - lo:end - lo]
-            self.shard_out[start - mine_lo:end - mine_lo].add_(part.div_(self.divisor))
-        self.spare.append(self.buffers[bucket])
-        self.buffers[bucket] = None
+            part = self.buffers[n][start - bucket.lo:end - bucket.lo]
+            flat.shard_out[start - mine_lo:end - mine_lo].add_(part.div_(self.divisor))
+        self.spare.setdefault(flat.wire_dtype, []).append(self.buffers[n])
+        self.buffers[n] = None
         self.in_flight = None
 
-    # 3. The micro-batch ends: the rest goes out, in order, and everything is in the shard.
+    # 3. The micro-batch ends: the rest goes out, in order, and everything is in the shards.
 
     @torch.no_grad()
     def finish(self) -> None:
         """Send every bucket not yet sent (gradients set by hand are taken; missing ones are zeros), then wait."""
-        for index, param in enumerate(self.params):
-            if not self.done[index] and param.grad is not None:
-                self._ready(index, param)
+        for (flat, index), done in list(self.done.items()):
+            param = self.flats[flat].params[index]
+            if not done and param.grad is not None:
+                self._ready(flat, index, param)
         while self.next < len(self.buckets):
             self._send(self.next)
             self.next += 1
@@ -164,9 +227,11 @@ class GradientBuckets:
         self._drain()
         self._reset()
 
-    def remove(self) -> None:
-        for handle in self.handles:
-            handle.remove()
+
+def _owners(lo: int, hi: int, shard: int, group_size: int):
+    """(owner rank, start, end) of each shard that [lo, hi) overlaps, in flat coordinates."""
+    for rank in range(lo // shard, min((hi - 1) // shard, group_size - 1) + 1):
+        yield rank, max(lo, rank * shard), min(hi, (rank + 1) * shard)
 
 
 def _cut(params: list[nn.Parameter], offsets: list[int], bucket_size: int) -> list[tuple[int, int, list[int]]]:

@@ -301,11 +301,15 @@ def _load_unit_state(engine, unit, targets: dict) -> None:
     first = unit.infos[0].keys()[0]
     names = [k[len(f"optim/{first}/"):] for k in targets if k.startswith(f"optim/{first}/")]
     state = {}
+    group = next(g for g in engine.optimizer.param_groups if any(p is unit.proxy for p in g["params"]))
+    on_device = bool(group.get("fused") or group.get("capturable"))
     for name in names:
         sample = targets[f"optim/{first}/{name}"]
         per_param = [info.join([targets[f"optim/{k}/{name}"] for k in info.keys()]) for info in unit.infos]
         if per_param[0].shape == unit.infos[0].param.shape and per_param[0].dim() >= 1:
             value = unit.slice_of(per_param).to(unit.master.device, engine.state_dtype).clone()
+        elif on_device:  # fused and capturable optimizers keep their step counter beside the parameters
+            value = sample.to(unit.master.device, torch.float32, copy=True)
         else:
             value = sample.clone()
         state[name] = value

@@ -24,6 +24,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from optim import checkpoint
+from optim.buckets import GradientBuckets, release_hooks
 from optim.config import EngineConfig, parse_config
 from optim.monitor import Monitor, StepStats
 from optim.scaler import LossScaler, LossScalerConfig
@@ -156,6 +157,7 @@ class Engine:
         self.master_dtype = torch.bfloat16 if bf16_master else torch.float32
         self.state_dtype = torch.bfloat16 if bf16_master and config.bf16.bf16_optimizer_states else torch.float32
         self._warn_offload()
+        release_hooks(self.module.parameters())  # an earlier engine's stage-2 hooks must not take our gradients
         self._broadcast_initial_state()
         infos = describe_parameters(
             self.module, lambda param: groups_for_name(param.group_name, data_before_expert(param)).ep_rank)
@@ -167,6 +169,7 @@ class Engine:
         elif low is not None:
             self.module.to(self.compute_dtype)
         self.units = self._build_units(groups)
+        self._buckets = self._build_buckets()
         opt_groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [u.proxy for u in units]}
                       for g, units in zip(groups, self._units_by_group)]
         self.optimizer = _build_optimizer(config, optimizer, defaults, opt_groups)
@@ -249,7 +252,6 @@ class Engine:
 
     def _build_units(self, groups: list[dict]) -> list:
         units, self._units_by_group = [], []
-        zero = self.config.zero_optimization
         master_device = torch.device("cpu") if self.offload and not self._fully_shard else self.device
         for group in groups:
             members = group["params"]
@@ -258,11 +260,19 @@ class Engine:
             else:  # without a process group there is nothing to shard: stage 3 holds what stage 2 does
                 comm, size, rank = self._reduction_group(members[0])
                 group_units = [FlatGroup(members, comm, size, rank, min(self.stage, 2), self.master_dtype,
-                                         self.state_dtype, master_device, divisor=self.world_size,
-                                         bucket_size=zero.reduce_bucket_size, overlap=zero.overlap_comm)]
+                                         self.state_dtype, master_device, divisor=self.world_size)]
             units.extend(group_units)
             self._units_by_group.append(group_units)
         return units
+
+    def _build_buckets(self) -> GradientBuckets | None:
+        """Stage 2: one sending order of gradient buckets over every flat group (the same on every rank)."""
+        flats = [unit.flat_shard() for unit in self.units if isinstance(unit, FlatGroup) and unit.stage == 2]
+        if not flats:
+            return None
+        zero = self.config.zero_optimization
+        position = {id(param): i for i, param in enumerate(self.module.parameters())}
+        return GradientBuckets(flats, position, self.world_size, zero.reduce_bucket_size, zero.overlap_comm)
 
     def _reduction_group(self, info):
         """(group, size, this rank's position) over which this parameter's gradients are summed."""
@@ -357,6 +367,8 @@ class Engine:
         """Count a micro-batch; at the accumulation boundary reduce, check, clip and step."""
         start = time.perf_counter()
         boundary = self.is_gradient_accumulation_boundary()
+        if self._buckets is not None:  # stage 2: the buckets still waiting go out; every gradient is in its shard
+            self._buckets.finish()
         for unit in self.units:
             unit.micro_step()
         self.micro_steps += 1
@@ -442,6 +454,8 @@ class Engine:
 
     def zero_grad(self) -> None:
         """Clear accumulated gradients (buffers are kept and zeroed)."""
+        if self._buckets is not None:
+            self._buckets.discard()
         for unit in self.units:
             unit.zero_grad()
 

@@ -6,9 +6,8 @@ unit's `proxy` parameter (this rank's piece of the master weights):
 - `FlatGroup` (stages 0, 1, 2, written here; torch has no element-balanced ZeRO-1/2): the group's
   parameters become views into one flat buffer, padded to a multiple of the reduction group's size.
   Stage 0 all-reduces the flat gradient and steps on all of it; stage 1 all-reduces it and steps on
-  this rank's slice; stage 2 reduces gradients during the backward, bucket by bucket as they are
-  produced, into a persistent gradient shard (`optim.buckets`), so a full gradient never outlives
-  its bucket. After the step the updated slices are all-gathered.
+  this rank's slice; stage 2 keeps a persistent gradient shard, into which the engine's gradient
+  buckets (`optim.buckets`) reduce during the backward, so a full gradient never outlives its bucket. After the step the updated slices are all-gathered.
 - `ShardedParam` (stage 3): the parameter is a DTensor sharded by torch's `fully_shard`; the proxy
   is its local shard and its gradient FSDP's reduce-scattered local gradient.
 
@@ -26,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from optim.buckets import GradientBuckets
+from optim.buckets import FlatShard
 from parallel import data_before_expert, expert_ids, is_moe_param
 
 __all__ = ["FlatGroup", "ParamInfo", "ShardedParam", "describe_parameters", "shard_placement"]
@@ -106,13 +105,11 @@ class FlatGroup:
         state_dtype: dtype the optimizer steps in (its states take this dtype).
         master_device: where master weights and optimizer states live (host memory when offloaded).
         divisor: reduced gradients are divided by this (the data-parallel world size).
-        bucket_size: stage 2's reduction bucket, in elements (zero_optimization.reduce_bucket_size).
-        overlap: stage 2 reduces asynchronously, beside the backward (zero_optimization.overlap_comm).
     """
 
     def __init__(self, infos: list[ParamInfo], group, group_size: int, group_rank: int, stage: int,
                  master_dtype: torch.dtype, state_dtype: torch.dtype, master_device: torch.device,
-                 divisor: float = 1.0, bucket_size: int = 500_000_000, overlap: bool = False):
+                 divisor: float = 1.0):
         self.infos, self.group, self.stage, self.divisor = infos, group, stage, divisor
         self.group_size, self.group_rank = group_size, group_rank
         self.expert = infos[0].expert
@@ -147,10 +144,6 @@ class FlatGroup:
         self.accumulate = grad_dtype != dtype
         self.flat_grad = torch.zeros_like(self.flat, dtype=grad_dtype) if stage <= 1 else None
         self.grad_shard = torch.zeros(self.shard, dtype=grad_dtype, device=device) if stage == 2 else None
-        self.buckets = GradientBuckets(
-            params, self.offsets, self.shard, self.grad_shard, group, group_size, group_rank, divisor, bucket_size,
-            overlap, grad_dtype if grad_dtype in (torch.float32, torch.float64) else torch.float32,
-        ) if stage == 2 else None
         self._point_grads()
 
     def _views(self, buffer: torch.Tensor):
@@ -168,12 +161,17 @@ class FlatGroup:
                 view.copy_(param.grad)
             param.grad = view
 
+    def flat_shard(self) -> FlatShard:
+        """Stage 2: what the gradient buckets need to reduce this group's gradients into its shard."""
+        dtype = self.grad_shard.dtype
+        return FlatShard([info.param for info in self.infos], self.offsets, self.shard, self.grad_shard, self.group,
+                         self.group_size, self.group_rank, dtype if dtype in (torch.float32, torch.float64)
+                         else torch.float32)
+
     def micro_step(self) -> None:
-        """After each backward: stage 2 sends the buckets still waiting and has every gradient in its
-        shard; stages 0/1 with a wider gradient buffer add the gradients into it."""
-        if self.stage == 2:
-            self.buckets.finish()
-        elif self.accumulate:
+        """After each backward: stages 0/1 with a wider gradient buffer add the gradients into it (stage 2's
+        gradients are already in its shard: the engine's buckets finish first)."""
+        if self.stage != 2 and self.accumulate:
             with torch.no_grad():
                 for param, view in self._views(self.flat_grad):
                     if param.grad is not None:
@@ -212,7 +210,6 @@ class FlatGroup:
             for info in self.infos:
                 info.param.grad = None
         if self.grad_shard is not None:
-            self.buckets.discard()
             self.grad_shard.zero_()
             for info in self.infos:
                 info.param.grad = None

@@ -145,8 +145,12 @@ def summarise(cfg: AblateConfig, name: str, results: list[dict]) -> dict:
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = flag_parser(AblateConfig, __doc__)
     parser.prog = "recipes.ablate"
+    parser.allow_abbrev = False  # a recipes.gpt flag that prefixes one of ours must pass through, not match it
     names, extra = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
     cfg = AblateConfig(**vars(names))
+    for flag in ("--seed", "--run-name", "--resume", "--checkpoint-dir"):
+        if any(arg == flag or arg.startswith(flag + "=") for arg in extra):
+            fail(parser, f"{flag} is set per run by recipes.ablate (use --seeds); it cannot pass through")
     check(parser, cfg)
     data = stdlib_corpus(cfg.log_dir) if cfg.data == "stdlib" else cfg.data
     runs = [(name, seed, run_argv(cfg, name, seed, data, extra)) for name in cfg.variants for seed in cfg.seeds]
