@@ -19,7 +19,6 @@ model states (`engine.memory_breakdown()`: parameters, gradients, optimizer stat
 paper's accounting. The first lines name the CPU, the thread count and our layer's expert layout.
 """
 
-import platform
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
@@ -33,6 +32,7 @@ from optim import initialize
 from optim.memory import LiveBytes
 from parallel import init_distributed, reset_groups
 from recipes.cli import fail, flag_parser
+from recipes.training import cpu_name
 
 BYTES_PGK = {"fp32": (4, 4, 8), "bf16": (2, 4, 12)}  # parameters, gradients, optimizer states (+ fp32 masters)
 
@@ -119,17 +119,6 @@ def copy_weights(source: nn.Module, target: nn.Module) -> None:
         for name, param in target.named_parameters():
             if name in state and state[name].shape == param.shape:
                 param.copy_(state[name])
-
-
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as handle:
-            for line in handle:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def step(engine, x) -> None:

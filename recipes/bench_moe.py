@@ -26,6 +26,7 @@ from kernels import workspace
 from moe import MoE
 from moe.grouped_mlp import _reduction_parts, _slices, linear
 from recipes.cli import flag_parser
+from recipes.training import cpu_name
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 ACTIVATIONS = {"gelu": nn.GELU, "relu": nn.ReLU, "silu": nn.SiLU}
@@ -201,7 +202,7 @@ def main(argv=None) -> dict:
     cfg = BenchConfig(**vars(parser.parse_args(argv)))
     if cfg.dtype not in DTYPES or cfg.activation not in ACTIVATIONS or cfg.deepspeed not in ("auto", "on", "off"):
         parser.error(f"--dtype must be in {list(DTYPES)}, --activation in {list(ACTIVATIONS)}, --deepspeed auto|on|off")
-    print(cfg, f"threads={torch.get_num_threads()}")
+    print(cfg, f"threads={torch.get_num_threads()} CPU: {cpu_name()} torch {torch.__version__}")
     device, dtype = torch.device(cfg.device), DTYPES[cfg.dtype]
     torch.manual_seed(cfg.seed)
     expert = make_expert(cfg)

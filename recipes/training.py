@@ -1,5 +1,6 @@
-"""Pieces both training recipes share: the console progress line and sums over all processes."""
+"""Pieces the recipes share: the console progress line, sums over all processes, the CPU's name."""
 
+import platform
 import sys
 import time
 
@@ -71,3 +72,15 @@ class Progress:
         """A line that stays (after the live line, if any)."""
         if self.enabled:
             print(("\n" if self.live else "") + text, flush=True)
+
+
+def cpu_name() -> str:
+    """The CPU model (Linux's /proc/cpuinfo), so that a speed figure says where it was taken."""
+    try:
+        with open("/proc/cpuinfo") as handle:
+            for line in handle:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"

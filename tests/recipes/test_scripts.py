@@ -43,8 +43,10 @@ def test_demo_under_torchrun_with_expert_parallelism(tmp_path):
 def test_engine_benchmark_matches_the_zero_accounting_in_one_process(capsys):
     from recipes import bench_engine
 
-    rows = bench_engine.main(["--hidden", "32", "--ffn", "64", "--experts", "4", "--tokens", "64", "--steps", "1",
-                              "--warmup", "1"])
-    assert len(rows) == 12 and "ZeRO says" in capsys.readouterr().out
+    rows = bench_engine.main(["--blocks", "2", "--hidden", "32", "--ffn", "64", "--experts", "4", "--tokens", "64",
+                              "--steps", "1", "--warmup", "1", "--stages", "0", "1", "2", "3", "--deepspeed", "off"])
+    out = capsys.readouterr().out
+    assert len(rows) == 4 and "ZeRO says" in out and "CPU: " in out
     for row in rows:  # one process: nothing to shard, so every stage holds everything
-        assert abs(row["total"] - row["zero"]) <= 0.01 * row["zero"], row
+        assert abs(row["model_states"] - row["zero"]) <= 0.01 * row["zero"], row
+        assert row["ms"]["ours"] > 0 and row["peak"]["ours"] > 0 and "deepspeed" not in row["ms"]
