@@ -53,7 +53,7 @@ class _ScaleGrad(torch.autograd.Function):
 
 
 _WIDE = (torch.float32, torch.float64)
-_FUSED_DEVICES = {"cpu", "cuda", "xpu"}  # where torch's fused Adam, AdamW and SGD run (not meta)
+_FUSED_DEVICES = {"cpu", "cuda", "xpu"}  # where torch's fused Adam and AdamW run (not meta)
 
 
 def _distributed() -> tuple[int, int]:
