@@ -144,6 +144,11 @@ def _torch_grouped_mm_runs(device: torch.device, dtype: torch.dtype) -> bool:
     return True
 
 
+def runs_natively(x_NI: torch.Tensor, w_LIO: torch.Tensor) -> bool:
+    """Whether `grouped_mm(x_NI, w_LIO, ...)` runs torch's own grouped GEMM (not the loop of products)."""
+    return _backend(x_NI) == "torch" and _torch_fits(x_NI, w_LIO)
+
+
 def _torch_fits(*tensors: torch.Tensor) -> bool:
     """torch's grouped GEMM needs every row stride to be a multiple of 16 bytes."""
     return all((t.shape[-1] * t.element_size()) % 16 == 0 for t in tensors)

@@ -108,7 +108,7 @@ def _sizes(counts: list) -> list:
 
 
 def run_experts_packed(experts, buffer_NM: torch.Tensor, exchange: Exchange, ep_group,
-                       grouped_gemm: bool = False) -> torch.Tensor:
+                       grouped_gemm: bool | None = False) -> torch.Tensor:
     """Experts over the group for packed rows; buffer_NM holds the kept rows sorted by global expert."""
     L, device = experts.num_local_experts, buffer_NM.device
     received = all_to_all(buffer_NM, ep_group, exchange.recv, exchange.send)

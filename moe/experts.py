@@ -134,7 +134,8 @@ class Experts(nn.Module):
                 tag_expert_ids(param, (first + local,), None, f"deepspeed_experts.{local}.{name}",
                                f"deepspeed_experts.{first + local}.{name}")
 
-    def forward(self, buffer_NM: torch.Tensor, counts: list[int] | None = None, grouped_gemm: bool = False) -> torch.Tensor:
+    def forward(self, buffer_NM: torch.Tensor, counts: list[int] | None = None, grouped_gemm: bool | None = False
+                ) -> torch.Tensor:
         """Run every expert on its rows.
 
         Args:
@@ -142,7 +143,8 @@ class Experts(nn.Module):
                 given, else the padded capacity buffer (N = L * C).
             counts: rows per local expert for the packed layout, a list of L ints; for stacked experts
                 with grouped_gemm also an int tensor [L] on the device, the rows after them padding.
-            grouped_gemm: for stacked experts on packed rows, one grouped GEMM per layer.
+            grouped_gemm: for stacked experts on packed rows, one grouped GEMM per layer (True), products
+                per expert (False), or on the CPU whichever was measured faster (None).
 
         Returns:
             y_NM: the experts' outputs, shape [N, M_out].

@@ -60,8 +60,9 @@ class MOELayer(nn.Module):
         ep_group: the expert-parallel process group (None when ep_size is 1).
         expert_compute: "packed" (rows sorted by expert, no padding, products per expert), "grouped"
             (the same rows, one grouped GEMM per layer), "padded" (the capacity
-            buffer, batched products, no host sync) or "auto": packed on CPU, where empty slots would
-            cost product time; elsewhere padded when dropping and grouped when dropless.
+            buffer, batched products, no host sync) or "auto": on the CPU packed rows, where empty slots
+            would cost product time, with per-expert or grouped products as measured (kernels.gemm);
+            elsewhere padded when dropping and grouped when dropless.
         exchange: under expert parallelism, "per_choice" sends a token once per choice, "per_rank" once
             per destination rank (moe.rank_exchange; packed or grouped layouts).
     """
@@ -101,7 +102,8 @@ class MOELayer(nn.Module):
         # otherwise (the dropless capacity, or the row counts that slice sizes and splits need).
         routing = self.gate(x_SM, used_token, seq_len)
         compute = self._compute(x_SM.device)
-        grouped = compute == "grouped"
+        # on the CPU, "auto" lets the experts time products per expert against the grouped GEMM
+        grouped = True if compute == "grouped" else (None if self.expert_compute == "auto" else False)
         if self.ep_size > 1 and self.exchange == "per_rank":
             out_SM = run_experts_per_rank(self.experts, x_SM, routing, self.ep_size, self.ep_group, grouped_gemm=grouped)
             self.routing, self.l_aux, self.exp_counts, self.z_loss = routing, routing.l_aux, routing.exp_counts, routing.z_loss

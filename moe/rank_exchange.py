@@ -55,7 +55,7 @@ def read_pair_exchange(send_RX: torch.Tensor, recv_RX: torch.Tensor) -> tuple[li
 
 
 def run_experts_per_rank(experts, x_SM: torch.Tensor, routing: Routing, ep_size: int, ep_group,
-                         grouped_gemm: bool = False) -> torch.Tensor:
+                         grouped_gemm: bool | None = False) -> torch.Tensor:
     """Route x_SM through the group's experts with one row per (token, rank); returns out_SM, combined."""
     L = experts.num_local_experts
     S, K = routing.expert_idx_SK.shape

@@ -22,9 +22,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from kernels import workspace
+from kernels import gemm, grouped_mm, grouped_mm_t, workspace
 from moe import MoE
-from moe.grouped_mlp import _reduction_parts, _slices, linear
 from recipes.cli import flag_parser
 from recipes.training import cpu_name
 
@@ -120,32 +119,38 @@ def time_interleaved(steps: dict, cfg: BenchConfig, device) -> dict:
 def expert_matmuls(counts: list[int], cfg: BenchConfig, device, ours: bool):
     """The experts' products of one forward+backward, alone, as each layer issues them.
 
-    Ours: oneDNN products per piece of rows, weight gradients cut as the layer cuts them (see
-    moe.grouped_mlp), without the layer's copies and sums around them.
+    Ours: per expert through `kernels.gemm` into preallocated outputs, with the backends the layer's
+    products were measured to use (or one grouped GEMM per product when the layer chose that), without
+    the layer's activations and sums around them.
     DeepSpeed's: torch's default products (F.linear forward, mm backward) per expert on the full
     capacity buffer, as autograd runs nn.Linear.
     """
     dtype = DTYPES[cfg.dtype]
     M, H = cfg.hidden, cfg.ffn
     N = sum(counts)
-    x, gy = (torch.randn(N, M, device=device, dtype=dtype) for _ in range(2))
-    h, gh = (torch.randn(N, H, device=device, dtype=dtype) for _ in range(2))
-    w1 = torch.randn(len(counts), H, M, device=device, dtype=dtype)
-    w2 = torch.randn(len(counts), M, H, device=device, dtype=dtype)
-    pieces, experts = _slices(counts), _whole(counts)
+    x, gy, gx, y = (torch.randn(N, M, device=device, dtype=dtype) for _ in range(4))
+    h, gh, a, ga = (torch.randn(N, H, device=device, dtype=dtype) for _ in range(4))
+    w1, gw1 = (torch.randn(len(counts), H, M, device=device, dtype=dtype) for _ in range(2))
+    w2, gw2 = (torch.randn(len(counts), M, H, device=device, dtype=dtype) for _ in range(2))
+    experts = _whole(counts)
 
     def run_ours():
-        for e, rows in pieces:
-            linear(x[rows], w1[e])  # forward: x W1^T, a W2^T
-            linear(h[rows], w2[e])
-        for e, rows in pieces:
-            linear(gy[rows], w2[e].t())  # backward: input gradients
-            linear(gh[rows], w1[e].t())
-        for e, rows in _whole(counts):
-            for part in _reduction_parts(rows, w2[e]):  # weight gradients, cut as the layer cuts them
-                linear(gy[part].t(), h[part].t())
-            for part in _reduction_parts(rows, w1[e]):
-                linear(gh[part].t(), x[part].t())
+        for e, rows in experts:
+            if rows.stop > rows.start:
+                gemm.linear(x[rows], w1[e], out=h[rows])  # forward: x W1^T, a W2^T
+                gemm.linear(a[rows], w2[e], out=y[rows])
+                gemm.linear(gy[rows], w2[e].t(), out=ga[rows])  # backward: input and weight gradients
+                gemm.linear(gh[rows], w1[e].t(), out=gx[rows])
+                gemm.linear_tn(gy[rows], a[rows], out=gw2[e])
+                gemm.linear_tn(gh[rows], x[rows], out=gw1[e])
+
+    def run_grouped():
+        grouped_mm(x, w1.transpose(1, 2), counts)
+        grouped_mm(a, w2.transpose(1, 2), counts)
+        grouped_mm(gy, w2, counts)
+        grouped_mm(gh, w1, counts)
+        grouped_mm_t(gy, a, counts)
+        grouped_mm_t(gh, x, counts)
 
     def run_deepspeed():
         for e, rows in experts:
@@ -157,7 +162,18 @@ def expert_matmuls(counts: list[int], cfg: BenchConfig, device, ours: bool):
             torch.mm(gh[rows], w1[e])
             torch.mm(gh[rows].t(), x[rows])
 
-    return run_ours if ours else run_deepspeed
+    if not ours:
+        return run_deepspeed
+    return run_grouped if "grouped" in chosen_backends() else run_ours
+
+
+def chosen_backends() -> str:
+    """What the measured choices of `kernels.gemm` came to: how many shape classes took each option."""
+    tally: dict[str, int] = {}
+    for key, choice in gemm.choices().items():
+        name = f"{key.split('|')[0]}:{choice}"
+        tally[name] = tally.get(name, 0) + 1
+    return ", ".join(f"{name} x{count}" for name, count in sorted(tally.items())) or "none measured"
 
 
 def _whole(counts: list[int]) -> list[tuple[int, slice]]:
@@ -227,6 +243,7 @@ def main(argv=None) -> dict:
     for name in layers:
         steps[f"{name} matmuls"] = expert_matmuls(rows[name], cfg, device, ours=name == "ours")
     ms = time_interleaved(steps, cfg, device)
+    print(f"CPU products (shape classes -> backend, measured): {chosen_backends()}")
     results = {}
     for name, layer in layers.items():
         peak = peak_memory(steps[name], device)

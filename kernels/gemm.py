@@ -1,0 +1,279 @@
+"""Matrix products on the CPU through the implementation measured fastest for their shape.
+
+    linear(x_NI, w_OI, b_O=None, out=None)   out = x @ w^T (+ b)   -> [N, O]   (forward, input gradient)
+    linear_tn(a_NP, b_NQ, out=None)          out = a^T @ b          -> [P, Q]   (weight gradient)
+
+Shape legend: N rows (the dimension that changes from step to step with routing), I/O/P/Q widths.
+Operands may be transposed views; `out`, when given, is a contiguous tensor the result is written to.
+
+Backends, all exact up to the order of the fp32 sums:
+- "blas": torch's addmm/mm (MKL or OpenBLAS, as the build has it), written straight into `out`.
+- "onednn": torch's oneDNN linear (the op Inductor emits on the CPU), with the N rows cut into a
+  multiple of 32 and a rest. oneDNN JIT-compiles a primitive per distinct shape and caches a bounded
+  number, while routing changes N every step; the cut keeps the distinct shapes few, so they are soon
+  all cached. For `linear_tn` N is the reduction, and the two partial products are summed.
+
+The first time a shape class is met (N rounded up to a power of two, the widths, dtype, operand
+layouts, bias), every backend runs on the actual operands, alternating, and the fastest minimum time
+wins. The choice is kept for the rest of the process and never revised, so two identical runs in
+one process multiply with the same backends and give bitwise equal results. MOE_CPU_GEMM=blas or
+onednn forces a backend; MOE_CPU_GEMM_CACHE=<file.json> keeps choices across processes (entries are
+kept per CPU model and torch version). Other devices, float64 and code being compiled use torch's
+own products.
+"""
+
+import functools
+import json
+import os
+import platform
+import tempfile
+import time
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["BACKENDS", "PIECE_ROWS", "choices", "choose", "clear", "linear", "linear_tn", "measuring", "shape_key"]
+
+BACKENDS = ("blas", "onednn")
+PIECE_ROWS = 32
+_ONEDNN_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_ROUNDS = 3  # timed calls per backend, after one warm-up call each
+_choices: dict[str, str] = {}
+_loaded_from: str | None = None
+
+
+@functools.cache
+def _onednn_op(dtype: torch.dtype):
+    """torch's oneDNN linear for `dtype`, if this build and CPU run it and it agrees with F.linear; else None."""
+    if not torch.backends.mkldnn.is_available() or dtype not in _ONEDNN_DTYPES:
+        return None
+    op = getattr(torch.ops.mkldnn, "_linear_pointwise", None)
+    if op is None:
+        return None
+    # fixed values: the probe must not touch the global RNG
+    x = torch.linspace(-1, 1, 35).view(5, 7).to(dtype)
+    w, b = torch.linspace(-2, 2, 21).view(3, 7).to(dtype), torch.linspace(0, 1, 3).to(dtype)
+    try:
+        ok = torch.allclose(op(x, w, b, "none", [], "").float(), F.linear(x, w, b).float(), rtol=1e-2, atol=1e-2)
+    except RuntimeError:
+        return None
+    return op if ok else None
+
+
+def _forced() -> str:
+    forced = os.environ.get("MOE_CPU_GEMM", "auto")
+    if forced not in ("auto",) + BACKENDS:
+        raise ValueError(f"MOE_CPU_GEMM must be auto, blas or onednn, got {forced!r}")
+    return forced
+
+
+def _cut(n: int) -> list[slice]:
+    """Rows [0, n) as a multiple of PIECE_ROWS and a rest (empty parts left out)."""
+    bulk = n - n % PIECE_ROWS
+    return [part for part in (slice(0, bulk), slice(bulk, n)) if part.stop > part.start]
+
+
+def _layout(t: torch.Tensor) -> str:
+    return "t" if t.dim() == 2 and t.stride(0) == 1 and t.shape[0] > 1 else "n"
+
+
+# --- the backends -------------------------------------------------------------------------------
+
+def _linear_blas(x, w, b, out):
+    if out is None:
+        return F.linear(x, w, b)
+    if b is None:
+        return torch.mm(x, w.t(), out=out)
+    return torch.addmm(b, x, w.t(), out=out)
+
+
+def _linear_onednn(x, w, b, out):
+    op = _onednn_op(x.dtype)
+    parts = _cut(x.shape[0])
+    if out is None and len(parts) == 1:
+        return op(x, w, b, "none", [], "")
+    out = torch.empty(x.shape[0], w.shape[0], dtype=x.dtype, device=x.device) if out is None else out
+    for part in parts:
+        out[part].copy_(op(x[part], w, b, "none", [], ""))
+    return out
+
+
+def _linear_tn_blas(a, b, out):
+    return torch.mm(a.t(), b) if out is None else torch.mm(a.t(), b, out=out)
+
+
+def _linear_tn_onednn(a, b, out):
+    op = _onednn_op(a.dtype)
+    products = [op(a[part].t(), b[part].t(), None, "none", [], "") for part in _cut(a.shape[0])]
+    if not products:  # no rows: an empty sum
+        return a.new_zeros(a.shape[1], b.shape[1]) if out is None else out.zero_()
+    if len(products) == 1:
+        return products[0] if out is None else out.copy_(products[0])
+    return torch.add(products[0], products[1], out=out)
+
+
+_LINEAR = {"blas": _linear_blas, "onednn": _linear_onednn}
+_LINEAR_TN = {"blas": _linear_tn_blas, "onednn": _linear_tn_onednn}
+
+
+# --- the choice ---------------------------------------------------------------------------------
+
+def _measure(runs: dict) -> str:
+    """The name in `runs` whose call took the least time: each called once to warm up, then alternately."""
+    for run in runs.values():
+        run()
+    best = dict.fromkeys(runs, float("inf"))
+    for _ in range(_ROUNDS):
+        for name, run in runs.items():
+            start = time.perf_counter()
+            run()
+            best[name] = min(best[name], time.perf_counter() - start)
+    return min(runs, key=lambda name: best[name])  # ties: the first listed
+
+
+def choose(key: str, runs: dict) -> str:
+    """The implementation measured fastest for the shape class `key`, measured on the first call only.
+
+    Args:
+        key: the shape class (see `shape_key`); a choice once made is kept for the process.
+        runs: name -> a call without arguments that runs that implementation on the actual operands.
+
+    Returns:
+        The chosen name: the kept choice when there is one, else the fastest of `runs`.
+    """
+    _load()
+    choice = _choices.get(key)
+    if choice not in runs:
+        choice = _choices[key] = _measure(runs)
+        _save()
+    return choice
+
+
+def shape_key(kind: str, n: int, widths: tuple, dtype: torch.dtype, *operands) -> str:
+    """A shape class: `kind`, N rounded up to a power of two, the widths, dtype and operand layouts."""
+    bucket = 1 << max(n - 1, 0).bit_length()
+    return f"{kind}|{bucket}|{'x'.join(map(str, widths))}|{str(dtype).removeprefix('torch.')}|" + "".join(
+        "-" if t is None else _layout(t) for t in operands)
+
+
+def measuring(dtype: torch.dtype) -> bool:
+    """Whether CPU products of `dtype` are chosen by measurement (else MOE_CPU_GEMM or the build decides)."""
+    return _forced() == "auto" and _onednn_op(dtype) is not None
+
+
+def _backend(key: str, dtype: torch.dtype, run) -> str:
+    forced = _forced()
+    if _onednn_op(dtype) is None:
+        return "blas"
+    if forced != "auto":
+        return forced
+    return choose(key, {name: functools.partial(run, name) for name in BACKENDS})
+
+
+def _cpu_product(t: torch.Tensor) -> bool:
+    return t.device.type == "cpu" and t.dtype in _ONEDNN_DTYPES and not torch.compiler.is_compiling()
+
+
+def linear(x_NI: torch.Tensor, w_OI: torch.Tensor, b_O: torch.Tensor | None = None,
+           out: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ w^T (+ b) through the measured backend for this shape class.
+
+    Args:
+        x_NI: shape [N, I]. w_OI: shape [O, I] (a transposed view is fine). b_O: shape [O] or None.
+        out: contiguous [N, O] tensor to write the result to, or None.
+
+    Returns:
+        The product, shape [N, O] (`out` when given).
+    """
+    if not _cpu_product(x_NI):
+        return _linear_blas(x_NI, w_OI, b_O, out)
+    key = shape_key("linear", x_NI.shape[0], (x_NI.shape[1], w_OI.shape[0]), x_NI.dtype, x_NI, w_OI, b_O)
+    backend = _backend(key, x_NI.dtype, lambda name: _LINEAR[name](x_NI, w_OI, b_O, out))
+    return _LINEAR[backend](x_NI, w_OI, b_O, out)
+
+
+def linear_tn(a_NP: torch.Tensor, b_NQ: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """a^T @ b, a reduction over the N rows, through the measured backend for this shape class.
+
+    Args:
+        a_NP: shape [N, P]. b_NQ: shape [N, Q]. out: contiguous [P, Q] tensor, or None.
+
+    Returns:
+        The product, shape [P, Q] (`out` when given).
+    """
+    if not _cpu_product(a_NP):
+        return _linear_tn_blas(a_NP, b_NQ, out)
+    key = shape_key("linear_tn", a_NP.shape[0], (a_NP.shape[1], b_NQ.shape[1]), a_NP.dtype, a_NP, b_NQ)
+    backend = _backend(key, a_NP.dtype, lambda name: _LINEAR_TN[name](a_NP, b_NQ, out))
+    return _LINEAR_TN[backend](a_NP, b_NQ, out)
+
+
+def choices() -> dict[str, str]:
+    """The backend chosen for each shape class met so far ("kind|rows|widths|dtype|layouts" -> backend)."""
+    return dict(_choices)
+
+
+def clear() -> None:
+    """Forget every choice (tests; a later product measures again)."""
+    global _loaded_from
+    _choices.clear()
+    _loaded_from = None
+
+
+# --- the optional file of choices ---------------------------------------------------------------
+
+def _machine() -> str:
+    return f"{platform.machine()} {_cpu_model()} torch {torch.__version__} threads {torch.get_num_threads()}"
+
+
+@functools.cache
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def _load() -> None:
+    """Read MOE_CPU_GEMM_CACHE once per path: choices measured earlier on this machine."""
+    global _loaded_from
+    path = os.environ.get("MOE_CPU_GEMM_CACHE")
+    if not path or path == _loaded_from:
+        return
+    _loaded_from = path
+    try:
+        with open(path) as f:
+            stored = json.load(f)
+    except FileNotFoundError:
+        return
+    except (OSError, ValueError) as error:
+        raise ValueError(f"MOE_CPU_GEMM_CACHE={path!r} is not a readable JSON file of GEMM choices: {error}") from None
+    entries = stored.get(_machine(), {}) if isinstance(stored, dict) else None
+    if not isinstance(entries, dict) or not all(isinstance(value, str) for value in entries.values()):
+        raise ValueError(f"MOE_CPU_GEMM_CACHE={path!r} must map machines to {{shape class: implementation name}}")
+    for key, value in entries.items():
+        _choices.setdefault(key, value)  # a choice already used in this process stays
+
+
+def _save() -> None:
+    """Write this process's choices into MOE_CPU_GEMM_CACHE atomically (other machines' entries kept)."""
+    path = os.environ.get("MOE_CPU_GEMM_CACHE")
+    if not path:
+        return
+    try:
+        with open(path) as f:
+            stored = json.load(f)
+    except (OSError, ValueError):
+        stored = {}
+    stored = stored if isinstance(stored, dict) else {}
+    stored[_machine()] = {**stored.get(_machine(), {}), **_choices}
+    folder = os.path.dirname(os.path.abspath(path))
+    with tempfile.NamedTemporaryFile("w", dir=folder, prefix=".gemm-", suffix=".tmp", delete=False) as f:
+        json.dump(stored, f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(f.name, path)

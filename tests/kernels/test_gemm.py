@@ -1,0 +1,192 @@
+"""CPU products by measured backend: every backend equals torch's product, and a choice once made is kept.
+
+Tolerances: fp32 against torch's product 1e-5 relative (the backends differ only in summation order);
+bf16 against the fp32 product cast to bf16, 2e-2.
+"""
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels import gemm
+from moe import MoE
+from moe.grouped_mlp import grouped_mlp
+
+FP32 = dict(rtol=1e-5, atol=1e-5)
+BF16 = dict(rtol=2e-2, atol=2e-2)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_choices(monkeypatch):
+    monkeypatch.delenv("MOE_CPU_GEMM", raising=False)
+    monkeypatch.delenv("MOE_CPU_GEMM_CACHE", raising=False)
+    gemm.clear()
+    yield
+    gemm.clear()
+
+
+def _operands(n, width_in, width_out, dtype, transposed):
+    g = torch.Generator().manual_seed(n * 7 + width_in)
+    x = torch.randn(n, width_in, generator=g).to(dtype)
+    w = torch.randn(width_in, width_out, generator=g).to(dtype).t() if transposed else \
+        torch.randn(width_out, width_in, generator=g).to(dtype)
+    return x, w, torch.randn(width_out, generator=g).to(dtype)
+
+
+@pytest.mark.parametrize("backend", ["blas", "onednn", "auto"])
+@pytest.mark.parametrize("n", [0, 1, 31, 32, 33, 70])
+@pytest.mark.parametrize("transposed", [False, True])
+def test_linear_equals_torch(monkeypatch, backend, n, transposed):
+    monkeypatch.setenv("MOE_CPU_GEMM", backend)
+    x, w, b = _operands(n, 24, 40, torch.float32, transposed)
+    expected = F.linear(x.double(), w.double(), b.double()).float()
+    torch.testing.assert_close(gemm.linear(x, w, b), expected, **FP32)
+    out = torch.full((n, 40), float("nan"))
+    assert gemm.linear(x, w, out=out) is out
+    torch.testing.assert_close(out, F.linear(x.double(), w.double()).float(), **FP32)
+
+
+@pytest.mark.parametrize("backend", ["blas", "onednn", "auto"])
+@pytest.mark.parametrize("n", [0, 1, 31, 33, 70])
+def test_linear_tn_equals_torch(monkeypatch, backend, n):
+    monkeypatch.setenv("MOE_CPU_GEMM", backend)
+    g = torch.Generator().manual_seed(n)
+    a, b = torch.randn(n, 24, generator=g), torch.randn(n, 40, generator=g)
+    expected = (a.double().t() @ b.double()).float()
+    torch.testing.assert_close(gemm.linear_tn(a, b), expected, **FP32)
+    out = torch.full((24, 40), float("nan"))
+    assert gemm.linear_tn(a, b, out=out) is out
+    torch.testing.assert_close(out, expected, **FP32)
+
+
+@pytest.mark.parametrize("backend", ["blas", "onednn"])
+def test_bf16_products(monkeypatch, backend):
+    monkeypatch.setenv("MOE_CPU_GEMM", backend)
+    x, w, b = _operands(37, 16, 24, torch.bfloat16, False)
+    expected = F.linear(x.float(), w.float(), b.float()).bfloat16()
+    torch.testing.assert_close(gemm.linear(x, w, b), expected, **BF16)
+    torch.testing.assert_close(gemm.linear_tn(x, x), (x.float().t() @ x.float()).bfloat16(), **BF16)
+
+
+def test_a_shape_class_is_measured_once_and_its_choice_kept(monkeypatch):
+    if not gemm.measuring(torch.float32):
+        pytest.skip("this torch build has no oneDNN linear: products always use BLAS")
+    measured = []
+
+    def fake_measure(runs):
+        measured.append(list(runs))
+        return list(runs)[len(measured) % 2]  # alternates, like noisy timings would
+
+    monkeypatch.setattr(gemm, "_measure", fake_measure)
+    x, w, _ = _operands(40, 24, 40, torch.float32, False)
+    gemm.linear(x, w)
+    gemm.linear(x[:35], w)  # 35 and 40 rows: one class (up to 64)
+    gemm.linear(x[:10], w)  # a new class (up to 16)
+    gemm.linear(x, w.t().contiguous().t())  # a transposed weight: another class
+    assert measured == [list(gemm.BACKENDS)] * 3
+    assert sorted(gemm.choices()) == ["linear|16|24x40|float32|nn-", "linear|64|24x40|float32|nn-",
+                                      "linear|64|24x40|float32|nt-"]
+
+
+def test_two_identical_runs_are_bitwise_equal_whatever_the_timings(monkeypatch):
+    """The first run measures (here: timings that disagree every time), the second reuses the choices."""
+    if not gemm.measuring(torch.float32):
+        pytest.skip("this torch build has no oneDNN linear: products always use BLAS")
+    calls = []
+
+    def fake_measure(runs):
+        for run in runs.values():  # as the real measurement does: every candidate runs
+            run()
+        calls.append(1)
+        if "per_expert" in runs:  # the layer's plan: products per expert, whose backends are under test
+            return "per_expert"
+        return list(runs)[len(calls) % len(runs)]
+
+    monkeypatch.setattr(gemm, "_measure", fake_measure)
+
+    def run():
+        torch.manual_seed(0)
+        expert = nn.Sequential(nn.Linear(16, 48), nn.GELU(), nn.Linear(48, 16))
+        layer = MoE(16, expert, num_experts=4, k=2, capacity_factor=2.0)
+        x = torch.randn(70, 16, requires_grad=True)
+        out, l_aux, _ = layer(x)
+        (out.square().sum() + l_aux).backward()
+        return [out, x.grad] + [p.grad for p in layer.parameters()]
+
+    first = run()
+    measured = len(calls)
+    assert measured > 0 and {"blas", "onednn"} <= set(gemm.choices().values())
+    second = run()
+    assert len(calls) == measured, "the second run measured again"
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
+
+
+def test_grouped_and_per_expert_plans_agree(monkeypatch):
+    g = torch.Generator().manual_seed(3)
+    L, M, H, counts = 3, 16, 32, [5, 0, 11]
+    args = [torch.randn(16, M, generator=g), torch.randn(L, H, M, generator=g), torch.randn(L, H, generator=g),
+            torch.randn(L, M, H, generator=g), torch.randn(L, M, generator=g)]
+    outputs = {}
+    for plan in ("per_expert", "grouped"):
+        monkeypatch.setattr(gemm, "choose", lambda key, runs, plan=plan: plan if key.startswith("mlp") else list(runs)[0])
+        monkeypatch.setattr(gemm, "measuring", lambda dtype: True)
+        leaves = [t.clone().requires_grad_() for t in args]
+        y = grouped_mlp(leaves[0], *leaves[1:], counts, "gelu", use_grouped_gemm=None)
+        y.square().sum().backward()
+        outputs[plan] = [y] + [t.grad for t in leaves]
+    for a, b in zip(outputs["per_expert"], outputs["grouped"]):
+        torch.testing.assert_close(a, b, **FP32)
+
+
+def test_the_layer_plan_is_measured_on_the_cpu():
+    if not gemm.measuring(torch.float32):
+        pytest.skip("this torch build has no oneDNN linear: products always use BLAS")
+    from kernels.grouped_gemm import runs_natively
+
+    torch.manual_seed(0)
+    layer = MoE(16, nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16)), num_experts=4, k=2)
+    layer(torch.randn(24, 16))[0].sum().backward()
+    plans = {key: value for key, value in gemm.choices().items() if key.startswith("mlp|")}
+    if runs_natively(torch.zeros(8, 16), torch.zeros(4, 16, 32)):
+        assert list(plans) == ["mlp|64|4x16x32|float32|"] and plans["mlp|64|4x16x32|float32|"] in ("per_expert", "grouped")
+    else:
+        assert plans == {}
+
+
+def test_choices_persist_in_the_cache_file(monkeypatch, tmp_path):
+    if not gemm.measuring(torch.float32):
+        pytest.skip("this torch build has no oneDNN linear: products always use BLAS")
+    path = tmp_path / "gemm.json"
+    monkeypatch.setenv("MOE_CPU_GEMM_CACHE", str(path))
+    x, w, _ = _operands(20, 8, 12, torch.float32, False)
+    gemm.linear(x, w)
+    stored = json.loads(path.read_text())
+    (machine, entries), = stored.items()
+    assert "torch" in machine and list(entries) == ["linear|32|8x12|float32|nn-"]
+    # a later process reads the file and measures nothing: the stored choice is used as it is
+    entries["linear|32|8x12|float32|nn-"] = "onednn"
+    path.write_text(json.dumps(stored))
+    gemm.clear()
+    monkeypatch.setattr(gemm, "_measure", lambda runs: pytest.fail("measured although the file had the choice"))
+    torch.testing.assert_close(gemm.linear(x, w), F.linear(x, w), **FP32)
+    assert gemm.choices() == {"linear|32|8x12|float32|nn-": "onednn"}
+    assert not list(tmp_path.glob(".gemm-*")), "no temporary file is left behind"
+
+
+def test_bad_settings_are_named(monkeypatch, tmp_path):
+    x, w, _ = _operands(4, 8, 8, torch.float32, False)
+    monkeypatch.setenv("MOE_CPU_GEMM", "mkl")
+    with pytest.raises(ValueError, match="MOE_CPU_GEMM must be auto, blas or onednn, got 'mkl'"):
+        gemm.linear(x, w)
+    if not gemm._onednn_op(torch.float32):
+        return
+    monkeypatch.setenv("MOE_CPU_GEMM", "auto")
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    monkeypatch.setenv("MOE_CPU_GEMM_CACHE", str(bad))
+    with pytest.raises(ValueError, match="MOE_CPU_GEMM_CACHE=.*bad.json"):
+        gemm.linear(x, w)
