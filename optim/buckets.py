@@ -1,4 +1,4 @@
-"""Gradient buckets: ZeRO-2's reduction during the backward, as each bucket of gradients fills.
+"""Gradient buckets: the reduction of gradients during the backward, as each bucket of gradients fills.
 
 One `GradientBuckets` serves every stage-2 flat group of an engine (dense groups over the
 data-parallel group, expert groups over their expert-data-parallel group). Each group's parameters
@@ -30,6 +30,12 @@ and at most two buckets' worth of gradients are alive: the buffer and the gradie
 handed over. A second gradient for a parameter in one micro-batch is added in while its bucket has
 not gone out (reentrant checkpointing); once every bucket has gone out, it starts a new round (a
 second backward before `engine.step()`: the shards add up both); in between it is an error.
+
+Stages 0 and 1 (`FlatShard.all_reduce`) use the same buckets on the micro-batch that ends an
+accumulation window: every rank needs the whole reduced gradient, so a bucket is all-reduced and
+added into the flat gradient. The earlier micro-batches of the window accumulate locally in the flat
+gradient; the first time a parameter's gradient is taken in the window, that local sum goes into the
+bucket with it and its place in the flat gradient is zeroed, so what comes back is added once.
 """
 
 import functools
@@ -56,6 +62,8 @@ class FlatShard:
         group: the reduction process group, None alone.
         group_size, group_rank: its size and this rank's position.
         wire_dtype: the dtype buckets are reduced in (fp32 for half-precision gradients).
+        all_reduce: stages 0/1: every rank gets every element; `shard_out` is the whole flat gradient,
+            which also holds the local sums of the window's earlier micro-batches.
     """
 
     params: list[nn.Parameter]
@@ -66,6 +74,7 @@ class FlatShard:
     group_size: int
     group_rank: int
     wire_dtype: torch.dtype
+    all_reduce: bool = False
 
 
 @dataclass
@@ -95,11 +104,15 @@ class GradientBuckets:
         divisor: reduced gradients are divided by this (the data-parallel world size).
         bucket_size: elements per bucket (at most, unless one parameter is larger; whole parameters).
         overlap: reduce asynchronously, beside the rest of the backward.
+        active: whether gradients arriving now are reduced (stages 0/1: only at the end of an
+            accumulation window); None: always.
     """
 
     def __init__(self, flats: list[FlatShard], position: dict[int, int], divisor: float, bucket_size: int,
-                 overlap: bool):
+                 overlap: bool, active=None):
         self.flats, self.divisor, self.overlap = flats, divisor, overlap
+        self.active = active or (lambda: True)
+        self.taken: set[tuple[int, int]] = set()  # all-reduce mode: parameters whose local sum was taken
         buckets = [_Bucket(f, lo, hi, members) for f, flat in enumerate(flats)
                    for lo, hi, members in _cut(flat.params, flat.offsets, bucket_size)]
         first = [min(position.get(id(flats[b.flat].params[i]), 0) for i in b.members) for b in buckets]
@@ -125,13 +138,15 @@ class GradientBuckets:
 
     @torch.no_grad()
     def _ready(self, flat: int, index: int, param: nn.Parameter) -> None:
+        if not self.active():
+            return
         n = self.bucket_of[(flat, index)]
         bucket = self.buckets[n]
         if self.done[(flat, index)] and n < self.next:
             if self.next < len(self.buckets):
                 raise RuntimeError(
                     f"a parameter of shape {list(param.shape)} got a second gradient in one micro-batch after its "
-                    "ZeRO-2 bucket had been reduced, while an earlier bucket still waits for a parameter that got no "
+                    "gradient bucket had been reduced, while an earlier bucket still waits for a parameter that got no "
                     "gradient: call engine.step() after each backward, or raise zero_optimization.reduce_bucket_size")
             self._drain()  # every bucket went out: another backward in this micro-batch starts a new round
             self._reset()
@@ -140,7 +155,15 @@ class GradientBuckets:
         if self.done[(flat, index)]:
             view.add_(param.grad.reshape(-1))
         else:
-            view.copy_(param.grad.reshape(-1))
+            local = self._take_local(flat, index)
+            if local is None:
+                view.copy_(param.grad.reshape(-1))
+            elif param.grad.data_ptr() == local.data_ptr():  # the gradient is the flat gradient's view
+                view.copy_(local)
+            else:
+                torch.add(local, param.grad.reshape(-1), out=view)
+            if local is not None:
+                local.zero_()
             self.done[(flat, index)] = True
             self.missing[n] -= 1
         param.grad = None
@@ -161,14 +184,30 @@ class GradientBuckets:
         bucket = self.buckets[n]
         return self.buffers[n][:bucket.hi - bucket.lo]  # a bucket uses the first hi - lo elements
 
-    def _zero_missing(self, n: int) -> None:
-        """Zeros where a member got no gradient (the buffer holds an earlier bucket's values there)."""
+    def _take_local(self, flat: int, index: int) -> torch.Tensor | None:
+        """All-reduce mode: the parameter's place in the flat gradient if its local sum is still to be sent."""
+        shard = self.flats[flat]
+        if not shard.all_reduce or (flat, index) in self.taken:
+            return None
+        self.taken.add((flat, index))
+        start = shard.offsets[index]
+        return shard.shard_out[start:start + shard.params[index].numel()]
+
+    def _fill_missing(self, n: int) -> None:
+        """Where a member got no gradient: its local sum (all-reduce mode) or zeros (the buffer holds an
+        earlier bucket's values there)."""
         bucket = self.buckets[n]
         flat = self.flats[bucket.flat]
         for index in bucket.members:
             if not self.done[(bucket.flat, index)]:
                 start = flat.offsets[index] - bucket.lo
-                self.buffers[n][start:start + flat.params[index].numel()].zero_()
+                part = self.buffers[n][start:start + flat.params[index].numel()]
+                local = self._take_local(bucket.flat, index)
+                if local is None:
+                    part.zero_()
+                else:
+                    part.copy_(local)
+                    local.zero_()
 
     # 2. A bucket goes out: one reduce per owner of the elements it holds.
 
@@ -177,9 +216,11 @@ class GradientBuckets:
         bucket = self.buckets[n]
         flat = self.flats[bucket.flat]
         buffer = self._buffer(n)
-        self._zero_missing(n)
+        self._fill_missing(n)
         works = []
-        if flat.group is not None:
+        if flat.all_reduce and flat.group is not None:
+            works.append(dist.all_reduce(buffer, group=flat.group, async_op=self.overlap))
+        elif flat.group is not None:
             for rank, start, end in _owners(bucket.lo, bucket.hi, flat.shard, flat.group_size):
                 works.append(dist.reduce(buffer[start - bucket.lo:end - bucket.lo],
                                          dst=dist.get_global_rank(flat.group, rank), group=flat.group,
@@ -198,7 +239,7 @@ class GradientBuckets:
                 work.wait()
         bucket = self.buckets[n]
         flat = self.flats[bucket.flat]
-        mine_lo = flat.group_rank * flat.shard
+        mine_lo = 0 if flat.all_reduce else flat.group_rank * flat.shard
         start, end = max(bucket.lo, mine_lo), min(bucket.hi, mine_lo + flat.shard)
         if start < end:
             part = self.buffers[n][start - bucket.lo:end - bucket.lo]
@@ -226,6 +267,7 @@ class GradientBuckets:
         """Drop what this micro-batch has gathered so far (gradients being zeroed): wait, then start over."""
         self._drain()
         self._reset()
+        self.taken.clear()  # the flat gradients are zeroed: a new accumulation window begins
 
 
 def _owners(lo: int, hi: int, shard: int, group_size: int):

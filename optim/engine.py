@@ -266,13 +266,17 @@ class Engine:
         return units
 
     def _build_buckets(self) -> GradientBuckets | None:
-        """Stage 2: one sending order of gradient buckets over every flat group (the same on every rank)."""
-        flats = [unit.flat_shard() for unit in self.units if isinstance(unit, FlatGroup) and unit.stage == 2]
+        """One sending order of gradient buckets over every flat group (the same on every rank): stage 2
+        reduces each micro-batch into the shards; stages 0/1 all-reduce in the window's last backward."""
+        flats = [unit.flat_shard() for unit in self.units
+                 if isinstance(unit, FlatGroup) and (unit.stage == 2 or unit.group is not None)]
         if not flats:
             return None
         zero = self.config.zero_optimization
         position = {id(param): i for i, param in enumerate(self.module.parameters())}
-        return GradientBuckets(flats, position, self.world_size, zero.reduce_bucket_size, zero.overlap_comm)
+        self._reduce_every_micro_batch = any(flat.all_reduce is False for flat in flats)
+        active = None if self._reduce_every_micro_batch else self.is_gradient_accumulation_boundary
+        return GradientBuckets(flats, position, self.world_size, zero.reduce_bucket_size, zero.overlap_comm, active)
 
     def _reduction_group(self, info):
         """(group, size, this rank's position) over which this parameter's gradients are summed."""
@@ -367,7 +371,7 @@ class Engine:
         """Count a micro-batch; at the accumulation boundary reduce, check, clip and step."""
         start = time.perf_counter()
         boundary = self.is_gradient_accumulation_boundary()
-        if self._buckets is not None:  # stage 2: the buckets still waiting go out; every gradient is in its shard
+        if self._buckets is not None and (self._reduce_every_micro_batch or boundary):  # the rest go out
             self._buckets.finish()
         for unit in self.units:
             unit.micro_step()

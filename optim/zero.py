@@ -142,6 +142,7 @@ class FlatGroup:
         # the model dtype, and micro_step adds them into the fp32 buffer.
         grad_dtype = master_dtype if dtype == torch.bfloat16 else dtype
         self.accumulate = grad_dtype != dtype
+        self.bucketed = False  # set when gradient buckets reduce this group (flat_shard)
         self.flat_grad = torch.zeros_like(self.flat, dtype=grad_dtype) if stage <= 1 else None
         self.grad_shard = torch.zeros(self.shard, dtype=grad_dtype, device=device) if stage == 2 else None
         self._point_grads()
@@ -162,11 +163,13 @@ class FlatGroup:
             param.grad = view
 
     def flat_shard(self) -> FlatShard:
-        """Stage 2: what the gradient buckets need to reduce this group's gradients into its shard."""
-        dtype = self.grad_shard.dtype
-        return FlatShard([info.param for info in self.infos], self.offsets, self.shard, self.grad_shard, self.group,
-                         self.group_size, self.group_rank, dtype if dtype in (torch.float32, torch.float64)
-                         else torch.float32)
+        """What the gradient buckets need: stage 2 reduces into this rank's shard, stages 0/1 all-reduce
+        into the whole flat gradient (from then on `reduce` leaves the reduction to the buckets)."""
+        grads = self.grad_shard if self.stage == 2 else self.flat_grad
+        wire = grads.dtype if grads.dtype in (torch.float32, torch.float64) else torch.float32
+        self.bucketed = True
+        return FlatShard([info.param for info in self.infos], self.offsets, grads.numel() if self.stage <= 1 else self.shard,
+                         grads, self.group, self.group_size, self.group_rank, wire, all_reduce=self.stage <= 1)
 
     def micro_step(self) -> None:
         """After each backward: stages 0/1 with a wider gradient buffer add the gradients into it (stage 2's
@@ -179,8 +182,11 @@ class FlatGroup:
                         param.grad = None
 
     def reduce(self) -> None:
-        """At the accumulation boundary: stages 0/1 all-reduce the flat gradient."""
-        if self.stage <= 1:
+        """At the accumulation boundary: stages 0/1 all-reduce the flat gradient, unless buckets did."""
+        if self.stage <= 1 and self.bucketed:  # reduced already; .grad points into the flat gradient again
+            for param, view in self._views(self.flat_grad):
+                param.grad = None if self.accumulate else view
+        elif self.stage <= 1:
             self._point_grads()
             _reduce(self.flat_grad, self.group, self.divisor)
 

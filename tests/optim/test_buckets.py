@@ -1,6 +1,7 @@
-"""ZeRO-2's gradient buckets where ranks and backwards differ: several param groups on one process
-group, a layer one rank does not use, a second backward in one micro-batch, an engine rebuilt over
-the same model. Each case equals one process running the same micro-batches (fp32, 1e-5)."""
+"""Gradient buckets where ranks and backwards differ: several param groups on one process group, a
+layer one rank does not use, gradient accumulation, a second backward in one micro-batch, an engine
+rebuilt over the same model; ZeRO-2's reduces and stages 0/1's all-reduces. Each case equals one
+process running the same micro-batches (fp32, 1e-5)."""
 
 import pytest
 import torch
@@ -45,41 +46,66 @@ def _skip(rank):
     return 1 if rank == 1 else -1  # rank 1 never uses layer 1
 
 
-def _reference(world, backwards=1):
+def _reference(world, backwards=1, accumulation=1, skip=True):
     model = Stack()
     optimizer = torch.optim.SGD(_groups(model), lr=0.1, momentum=0.9)
     for step in range(STEPS):
-        for rank in range(world):
-            for _ in range(backwards):
-                (model(_batch(step, rank), _skip(rank)) / world).backward()
+        for micro in range(accumulation):
+            for rank in range(world):
+                for _ in range(backwards):
+                    loss = model(_batch(step * accumulation + micro, rank), _skip(rank) if skip else -1)
+                    (loss / (world * accumulation)).backward()
         optimizer.step()
         optimizer.zero_grad()
     return model.state_dict()
 
 
-def _engine(bucket_size, overlap, stage=2):
+def _engine(bucket_size, overlap, stage=2, accumulation=1):
     reset_groups()
     model = Stack()
-    config = {"train_micro_batch_size_per_gpu": 4, "optimizer": SGD,
+    config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": accumulation, "optimizer": SGD,
               "zero_optimization": {"stage": stage, "reduce_bucket_size": bucket_size, "overlap_comm": overlap}}
     return initialize(model, model_parameters=_groups(model), config=config)[0]
 
 
-def _check_groups_and_unused(rank, world, expected):
+def _check_groups_and_unused(rank, world, expected, stage, accumulation):
     for bucket_size, overlap in [(WIDTH, True), (WIDTH, False), (WIDTH * WIDTH + WIDTH, True), (10**9, False)]:
-        engine = _engine(bucket_size, overlap)
-        for step in range(STEPS):
+        engine = _engine(bucket_size, overlap, stage, accumulation)
+        assert (engine._buckets is not None) == (stage <= 2), "stages 0-2 reduce in buckets on 2 ranks"
+        for step in range(STEPS * accumulation):
             engine.backward(engine(_batch(step, rank), _skip(rank)))
             engine.step()
         state = engine.consolidated_state_dict()
         if rank == 0:
             for name, value in expected.items():
                 torch.testing.assert_close(state[name], value, **FP32,
-                                           msg=lambda m: f"bucket {bucket_size} overlap {overlap} {name}: {m}")
+                                           msg=lambda m: f"stage {stage} bucket {bucket_size} overlap {overlap} {name}: {m}")
 
 
-def test_two_param_groups_and_a_layer_unused_on_one_rank_equal_one_process():
-    run_distributed(_check_groups_and_unused, 2, _reference(2), timeout_s=120)
+@pytest.mark.parametrize("stage,accumulation", [(2, 1), (0, 2), (1, 2), (1, 1)])
+def test_two_param_groups_and_a_layer_unused_on_one_rank_equal_one_process(stage, accumulation):
+    run_distributed(_check_groups_and_unused, 2, _reference(2, accumulation=accumulation), stage, accumulation,
+                    timeout_s=120)
+
+
+def _check_second_backward(rank, world, expected, stage):
+    for bucket_size in (10**9, WIDTH):
+        engine = _engine(bucket_size, True, stage, accumulation=2)
+        for step in range(STEPS * 2):
+            loss = engine(_batch(step, rank))  # every parameter used on every rank (see the error below)
+            loss.backward(retain_graph=True)
+            loss.backward()  # at the window's end every bucket went out in the first: a new round, added in
+            engine.step()
+        state = engine.consolidated_state_dict()
+        if rank == 0:
+            for name, value in expected.items():
+                torch.testing.assert_close(state[name], value, **FP32, msg=lambda m: f"stage {stage} {name}: {m}")
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_two_backwards_per_micro_batch_with_accumulation_on_two_ranks(stage):
+    run_distributed(_check_second_backward, 2, _reference(2, backwards=2, accumulation=2, skip=False), stage,
+                    timeout_s=120)
 
 
 def test_a_second_backward_in_one_micro_batch_adds_up():
@@ -97,7 +123,7 @@ def test_a_second_backward_in_one_micro_batch_adds_up():
     waiting = _engine(WIDTH, False)
     loss = waiting(_batch(0, 0), skip=1)  # layer 1's buckets wait for gradients that never come
     loss.backward(retain_graph=True)
-    with pytest.raises(RuntimeError, match="second gradient in one micro-batch after its ZeRO-2 bucket"):
+    with pytest.raises(RuntimeError, match="second gradient in one micro-batch after its gradient bucket"):
         loss.backward()
 
 

@@ -4,7 +4,7 @@ World 4, ep 1 and 2, ZeRO stages 0-3, gradient accumulation 2, clipping on (the 
 small enough to bite): after 3 optimizer steps every parameter, gathered by
 `consolidated_state_dict`, equals plain torch AdamW on the same micro-batches. Stage 2 also runs
 with small reduction buckets (one parameter each; a few parameters, cut across shard boundaries),
-reduced during the backward synchronously and overlapped. A bf16 twin stays
+reduced during the backward synchronously and overlapped, and stages 0/1 with all-reduce buckets. A bf16 twin stays
 within bf16 tolerance of the fp32 run, and `memory_breakdown` follows the ZeRO accounting.
 """
 
@@ -55,9 +55,14 @@ def _check_equivalence(rank, world, ep_size):
     expected = {False: _reference_state(), True: _reference_state(sgd=True)} if rank == 0 else None
     buckets = [{"zero_optimization": {"stage": 2, "reduce_bucket_size": size, "overlap_comm": overlap}}
                for size, overlap in BUCKETS]
+    # stages 0/1 all-reduce in buckets in the window's last backward (accumulation 2 here)
+    all_reduce = [{"zero_optimization": {"stage": stage, "reduce_bucket_size": size, "overlap_comm": overlap}}
+                  for stage, (size, overlap) in [(0, BUCKETS[1]), (1, BUCKETS[3])]]
+    all_reduce_sgd = {"zero_optimization": {"stage": 1, "reduce_bucket_size": 40, "overlap_comm": True}}
     layouts = [(stage, {}) for stage in (0, 1, 2, 3)] + [(2, extra) for extra in buckets] + [
+        (extra["zero_optimization"]["stage"], extra) for extra in all_reduce] + [
         (stage, {**extra, "optimizer": SGD_SMALL, "clip": 0}) for stage, extra in [(0, {}), (2, {})]
-        + [(2, extra) for extra in buckets[::2]]]
+        + [(2, extra) for extra in buckets[::2]] + [(1, all_reduce_sgd)]]
     for stage, extra in layouts:
         sgd = "clip" in extra
         engine, state = _train(rank, ep_size, stage, **extra)

@@ -12,7 +12,8 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from recipes import cifar, compare_dense_moe, gpt
+from kernels import gemm
+from recipes import bench_gpt, cifar, compare_dense_moe, gpt
 from recipes.gpt_model import GPT
 
 CIFAR_JSON = pathlib.Path(cifar.__file__).parent / "configs" / "cifar.json"
@@ -211,3 +212,20 @@ def test_gpt_compile_flag_compiles_the_model_in_place(tmp_path, monkeypatch):
     result = gpt.main(args + ["--compile"])
     assert compiled == ["GPT"]
     _same_curve(result["history"]["train"], plain["history"]["train"])
+
+
+def test_two_identical_gpt_runs_in_one_process_are_bitwise_equal(tmp_path):
+    """The first run measures the CPU products' backends, the second reuses them: same bits."""
+    gemm.clear()
+    args = GPT_TINY + ["--steps", "6", "--eval-interval", "6", "--log-interval", "3", "--log-dir", str(tmp_path)]
+    first, second = gpt.main(args), gpt.main(args)
+    assert gemm.choices(), "the CPU products were chosen by measurement"
+    assert first["history"]["train"] == second["history"]["train"]
+    assert first["history"]["val"] == second["history"]["val"]
+
+
+def test_bench_gpt_times_both_models(capsys):
+    results = bench_gpt.main(GPT_TINY + ["--steps", "2", "--warmup", "1"])
+    assert set(results) == {"moe", "dense"} and all(rate > 0 for rate in results.values())
+    out = capsys.readouterr().out
+    assert "CPU: " in out and "MoE / dense tokens/s: " in out

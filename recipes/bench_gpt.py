@@ -1,0 +1,77 @@
+"""The GPT recipe's MoE model against its dense twin: training tokens/s, side by side in one process.
+
+    python -m recipes.bench_gpt                      # the recipe's defaults: 32 x 128 tokens per step
+    python -m recipes.bench_gpt --steps 40 --n-embd 256 --ffn 1024
+
+Both models are built by `recipes.gpt` from the same flags (the dense twin with `--dense`: the same
+active parameters per token) and trained through the same engine with the same batches. Steps
+alternate between the two, so drift in the machine's speed hits both alike; the first --warmup
+steps of each are not timed (the CPU products are measured and chosen there, see `kernels.gemm`).
+Prints the CPU, the median ms per step, tokens/s and their ratio. Any other `recipes.gpt` flag
+passes through to both models.
+"""
+
+import statistics
+import sys
+import time
+
+import torch
+
+from kernels import gemm
+from moe import split_params_into_different_moe_groups_for_optimizer
+from optim import initialize
+from recipes import gpt
+from recipes.cli import engine_config, flag_parser
+from recipes.gpt_model import GPT
+from recipes.training import cpu_name
+
+
+def _engine(cfg: gpt.TrainConfig):
+    torch.manual_seed(cfg.seed)
+    model = GPT(gpt.model_config(cfg))
+    groups = split_params_into_different_moe_groups_for_optimizer({"params": list(model.parameters()), "name": "dense"})
+    fragments = {name: value for name, value in gpt.engine_fragments(cfg).items() if name != "run_name"}  # no logs
+    engine, *_ = initialize(model, model_parameters=groups, config=engine_config(fragments, set(), cfg.config))
+    return engine, model.parameter_counts()
+
+
+def main(argv=None) -> dict:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = flag_parser(gpt.TrainConfig, __doc__)
+    parser.add_argument("--warmup", type=int, default=5, help="untimed steps of each model first")
+    args = parser.parse_args(argv)
+    warmup = args.__dict__.pop("warmup")
+    steps = args.steps if "--steps" in " ".join(argv) else 30
+    if steps < 1 or warmup < 0:
+        parser.error(f"--steps must be at least 1 and --warmup at least 0, got {steps} and {warmup}")
+    base = gpt.TrainConfig(**{**vars(args), "steps": steps})
+    tokens, _ = gpt.split_tokens(gpt.load_text(base.data), base.val_fraction, base.seq_len)
+    runs = {"moe": gpt.TrainConfig(**{**vars(base), "dense": False}),
+            "dense": gpt.TrainConfig(**{**vars(base), "dense": True})}
+    engines = {name: _engine(cfg) for name, cfg in runs.items()}
+    print(f"CPU: {cpu_name()}, torch {torch.__version__}, {torch.get_num_threads()} threads; "
+          f"{base.batch_size} x {base.seq_len} tokens per step, {base.dtype}")
+    times = {name: [] for name in runs}
+    for step in range(warmup + steps):
+        for name, cfg in runs.items():
+            x, y = gpt.train_batch(tokens, cfg, step, 0, 0)
+            start = time.perf_counter()
+            gpt.train_step(engines[name][0], cfg, x, y).item()
+            if step >= warmup:
+                times[name].append(time.perf_counter() - start)
+    results = {}
+    for name in runs:
+        ms = statistics.median(times[name]) * 1e3
+        total, active = engines[name][1]
+        results[name] = base.batch_size * base.seq_len / ms * 1e3
+        print(f"{name:<6} {total:>10,} parameters {active:>10,} active  {ms:8.1f} ms/step  {results[name]:9.0f} tokens/s")
+    print(f"MoE / dense tokens/s: {results['moe'] / results['dense']:.3f}")
+    tally = {}
+    for choice in gemm.choices().values():
+        tally[choice] = tally.get(choice, 0) + 1
+    print(f"CPU products by measured choice (shape classes): {tally or 'none measured'}")
+    return results
+
+
+if __name__ == "__main__":
+    main()
