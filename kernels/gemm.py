@@ -37,7 +37,10 @@ __all__ = ["BACKENDS", "PIECE_ROWS", "choices", "choose", "clear", "linear", "li
 BACKENDS = ("blas", "onednn")
 PIECE_ROWS = 32
 _ONEDNN_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16",
+                torch.float64: "float64"}
 _ROUNDS = 3  # timed calls per backend, after one warm-up call each
+_ROUND_SECONDS = 0.5  # ... fewer when a call takes longer than a third of this
 _choices: dict[str, str] = {}
 _loaded_from: str | None = None
 
@@ -71,10 +74,6 @@ def _cut(n: int) -> list[slice]:
     """Rows [0, n) as a multiple of PIECE_ROWS and a rest (empty parts left out)."""
     bulk = n - n % PIECE_ROWS
     return [part for part in (slice(0, bulk), slice(bulk, n)) if part.stop > part.start]
-
-
-def _layout(t: torch.Tensor) -> str:
-    return "t" if t.dim() == 2 and t.stride(0) == 1 and t.shape[0] > 1 else "n"
 
 
 # --- the backends -------------------------------------------------------------------------------
@@ -119,11 +118,15 @@ _LINEAR_TN = {"blas": _linear_tn_blas, "onednn": _linear_tn_onednn}
 # --- the choice ---------------------------------------------------------------------------------
 
 def _measure(runs: dict) -> str:
-    """The name in `runs` whose call took the least time: each called once to warm up, then alternately."""
+    """The name in `runs` whose call took the least time: each called once to warm up, then alternately
+    (fewer rounds for long calls: their timings vary less)."""
+    slowest = 0.0
     for run in runs.values():
+        start = time.perf_counter()
         run()
+        slowest = max(slowest, time.perf_counter() - start)
     best = dict.fromkeys(runs, float("inf"))
-    for _ in range(_ROUNDS):
+    for _ in range(max(1, min(_ROUNDS, int(_ROUND_SECONDS / max(slowest, 1e-9))))):
         for name, run in runs.items():
             start = time.perf_counter()
             run()
@@ -151,9 +154,8 @@ def choose(key: str, runs: dict) -> str:
 
 def shape_key(kind: str, n: int, widths: tuple, dtype: torch.dtype, *operands) -> str:
     """A shape class: `kind`, N rounded up to a power of two, the widths, dtype and operand layouts."""
-    bucket = 1 << max(n - 1, 0).bit_length()
-    return f"{kind}|{bucket}|{'x'.join(map(str, widths))}|{str(dtype).removeprefix('torch.')}|" + "".join(
-        "-" if t is None else _layout(t) for t in operands)
+    layouts = "".join("-" if t is None else "t" if t.stride(0) == 1 and t.shape[0] > 1 else "n" for t in operands)
+    return f"{kind}|{1 << (n - 1).bit_length() if n > 1 else 1}|{'x'.join(map(str, widths))}|{_DTYPE_NAMES[dtype]}|{layouts}"
 
 
 def measuring(dtype: torch.dtype) -> bool:
@@ -167,6 +169,10 @@ def _backend(key: str, dtype: torch.dtype, run) -> str:
         return "blas"
     if forced != "auto":
         return forced
+    _load()
+    choice = _choices.get(key)
+    if choice in BACKENDS:  # the hot path: no candidates built
+        return choice
     return choose(key, {name: functools.partial(run, name) for name in BACKENDS})
 
 

@@ -230,34 +230,30 @@ def grouped_mlp(
     if torch.compiler.is_compiling() and not isinstance(counts, torch.Tensor):
         return _traced_mlp(x_NM, weight1, bias1, weight2, bias2, counts, activation, approximate)
     if use_grouped_gemm is None:
-        use_grouped_gemm = _grouped_is_faster(x_NM, weight1, counts)
+        use_grouped_gemm = _grouped_is_faster(x_NM, weight1, bias1, weight2, bias2, counts, (activation, approximate))
     if use_grouped_gemm:
         return _GroupedGemmMLP.apply(x_NM, weight1, bias1, weight2, bias2, counts, (activation, approximate))
     return _PerExpertMLP.apply(x_NM, weight1, bias1, weight2, bias2, counts, (activation, approximate))
 
 
-def _grouped_is_faster(x_NM: torch.Tensor, weight1: torch.Tensor, counts: list[int]) -> bool:
-    """Whether torch's grouped GEMM beat products per expert on the first layer's three products
-    (forward, input and weight gradients), timed once per shape class on the CPU (kernels.gemm)."""
+def _grouped_is_faster(x_NM, weight1, bias1, weight2, bias2, counts: list[int], activation: tuple) -> bool:
+    """Whether the grouped GEMM beat products per expert on this forward+backward, each run on the
+    actual operands, timed once per shape class on the CPU (kernels.gemm): products alone would
+    mislead, since per expert the activation and bias work on rows still in cache."""
     if x_NM.device.type != "cpu" or not gemm.measuring(x_NM.dtype) or not runs_natively(x_NM, weight1):
         return False
-    with torch.no_grad():
-        (L, H, M), N = weight1.shape, x_NM.shape[0]
-        h_NH = workspace.empty((N, H), x_NM.dtype, x_NM.device)
-        grad_x_NM = workspace.empty((N, M), x_NM.dtype, x_NM.device)
-        grad_w1 = workspace.empty_like(weight1)
-        w1_t = weight1.transpose(1, 2)
+    inputs = [t.detach().requires_grad_() for t in (x_NM, weight1, bias1, weight2, bias2) if t is not None]
 
-        def per_expert():
-            for e, rows in _experts(counts):
-                gemm.linear(x_NM[rows], weight1[e], out=h_NH[rows])
-                gemm.linear(h_NH[rows], w1_t[e], out=grad_x_NM[rows])
-                gemm.linear_tn(h_NH[rows], x_NM[rows], out=grad_w1[e])
+    def forward_backward(function):
+        def run():
+            with torch.enable_grad():
+                leaves = iter(inputs)
+                args = [None if t is None else next(leaves) for t in (x_NM, weight1, bias1, weight2, bias2)]
+                y_NM = function.apply(*args, counts, activation)
+                torch.autograd.grad(y_NM, inputs, y_NM.detach())
+        return run
 
-        def grouped():
-            h = grouped_mm(x_NM, w1_t, counts)
-            grouped_mm(h, weight1, counts)
-            grouped_mm_t(h, x_NM, counts)
-
-        key = gemm.shape_key("mlp", N, (L, M, H), x_NM.dtype)
-        return gemm.choose(key, {"per_expert": per_expert, "grouped": grouped}) == "grouped"
+    L, H, M = weight1.shape
+    key = gemm.shape_key("mlp", x_NM.shape[0], (L, M, H, weight2.shape[1]), x_NM.dtype, bias1)
+    runs = {"per_expert": forward_backward(_PerExpertMLP), "grouped": forward_backward(_GroupedGemmMLP)}
+    return gemm.choose(key, runs) == "grouped"

@@ -4,7 +4,8 @@
     python -m recipes.bench_gpt --steps 40 --n-embd 256 --ffn 1024
 
 Both models are built by `recipes.gpt` from the same flags (the dense twin with `--dense`: the same
-active parameters per token) and trained through the same engine with the same batches. Steps
+active parameters per token) and trained through the same engine with the same batches, writing
+the same TensorBoard statistics as the recipe does (to a temporary folder). Steps
 alternate between the two, so drift in the machine's speed hits both alike; the first --warmup
 steps of each are not timed (the CPU products are measured and chosen there, see `kernels.gemm`).
 Prints the CPU, the median ms per step, tokens/s and their ratio. Any other `recipes.gpt` flag
@@ -13,6 +14,7 @@ passes through to both models.
 
 import statistics
 import sys
+import tempfile
 import time
 
 import torch
@@ -27,11 +29,12 @@ from recipes.training import cpu_name
 
 
 def _engine(cfg: gpt.TrainConfig):
+    """The recipe's model and engine for `cfg`, TensorBoard statistics included (as the recipe writes them)."""
     torch.manual_seed(cfg.seed)
     model = GPT(gpt.model_config(cfg))
     groups = split_params_into_different_moe_groups_for_optimizer({"params": list(model.parameters()), "name": "dense"})
-    fragments = {name: value for name, value in gpt.engine_fragments(cfg).items() if name != "run_name"}  # no logs
-    engine, *_ = initialize(model, model_parameters=groups, config=engine_config(fragments, set(), cfg.config))
+    config = engine_config(gpt.engine_fragments(cfg), set(), cfg.config)
+    engine, *_ = initialize(model, model_parameters=groups, config=config)
     return engine, model.parameter_counts()
 
 
@@ -46,8 +49,9 @@ def main(argv=None) -> dict:
         parser.error(f"--steps must be at least 1 and --warmup at least 0, got {steps} and {warmup}")
     base = gpt.TrainConfig(**{**vars(args), "steps": steps})
     tokens, _ = gpt.split_tokens(gpt.load_text(base.data), base.val_fraction, base.seq_len)
-    runs = {"moe": gpt.TrainConfig(**{**vars(base), "dense": False}),
-            "dense": gpt.TrainConfig(**{**vars(base), "dense": True})}
+    logs = tempfile.TemporaryDirectory(prefix="bench_gpt-")  # TensorBoard writes here, as the recipe writes to runs/
+    runs = {name: gpt.TrainConfig(**{**vars(base), "dense": name == "dense", "log_dir": logs.name, "run_name": name})
+            for name in ("moe", "dense")}
     engines = {name: _engine(cfg) for name, cfg in runs.items()}
     print(f"CPU: {cpu_name()}, torch {torch.__version__}, {torch.get_num_threads()} threads; "
           f"{base.batch_size} x {base.seq_len} tokens per step, {base.dtype}")
@@ -66,6 +70,10 @@ def main(argv=None) -> dict:
         results[name] = base.batch_size * base.seq_len / ms * 1e3
         print(f"{name:<6} {total:>10,} parameters {active:>10,} active  {ms:8.1f} ms/step  {results[name]:9.0f} tokens/s")
     print(f"MoE / dense tokens/s: {results['moe'] / results['dense']:.3f}")
+    for engine, _ in engines.values():
+        if engine.monitor is not None:
+            engine.monitor.close()
+    logs.cleanup()
     tally = {}
     for choice in gemm.choices().values():
         tally[choice] = tally.get(choice, 0) + 1
