@@ -16,7 +16,10 @@ Backends, all exact up to the order of the fp32 sums:
 The first time a shape class is met (N rounded up to a power of two, the widths, dtype, operand
 layouts, bias), every backend runs on the actual operands, alternating, and the fastest minimum time
 wins. The choice is kept for the rest of the process and never revised, so two identical runs in
-one process multiply with the same backends and give bitwise equal results. MOE_CPU_GEMM=blas or
+one process multiply with the same backends and give bitwise equal results. Products of fewer than
+MEASURE_FROM multiply-adds are not measured: they take BLAS (oneDNN's call costs some 50 us, more than
+such a product, and a timing that small is noise), so small models are bitwise repeatable across
+processes too. Checkpoints record the choices and a resumed run adopts them (`adopt`). MOE_CPU_GEMM=blas or
 onednn forces a backend; MOE_CPU_GEMM_CACHE=<file.json> keeps choices across processes (entries are
 kept per CPU model and torch version). Other devices, float64 and code being compiled use torch's
 own products.
@@ -32,10 +35,12 @@ import time
 import torch
 import torch.nn.functional as F
 
-__all__ = ["BACKENDS", "PIECE_ROWS", "choices", "choose", "clear", "linear", "linear_tn", "measuring", "shape_key"]
+__all__ = ["BACKENDS", "MEASURE_FROM", "PIECE_ROWS", "adopt", "choices", "choose", "clear", "linear", "linear_tn",
+           "measuring", "shape_key", "worth_measuring"]
 
 BACKENDS = ("blas", "onednn")
 PIECE_ROWS = 32
+MEASURE_FROM = 1 << 22  # multiply-adds: smaller products take the first listed implementation unmeasured
 _ONEDNN_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16",
                 torch.float64: "float64"}
@@ -158,14 +163,19 @@ def shape_key(kind: str, n: int, widths: tuple, dtype: torch.dtype, *operands) -
     return f"{kind}|{1 << (n - 1).bit_length() if n > 1 else 1}|{'x'.join(map(str, widths))}|{_DTYPE_NAMES[dtype]}|{layouts}"
 
 
+def worth_measuring(multiply_adds: int) -> bool:
+    """Whether a product (or layer) of this many multiply-adds is large enough to be timed."""
+    return multiply_adds >= MEASURE_FROM
+
+
 def measuring(dtype: torch.dtype) -> bool:
     """Whether CPU products of `dtype` are chosen by measurement (else MOE_CPU_GEMM or the build decides)."""
     return _forced() == "auto" and _onednn_op(dtype) is not None
 
 
-def _backend(key: str, dtype: torch.dtype, run) -> str:
+def _backend(key: str, dtype: torch.dtype, multiply_adds: int, run) -> str:
     forced = _forced()
-    if _onednn_op(dtype) is None:
+    if _onednn_op(dtype) is None or (forced == "auto" and not worth_measuring(multiply_adds)):
         return "blas"
     if forced != "auto":
         return forced
@@ -194,7 +204,8 @@ def linear(x_NI: torch.Tensor, w_OI: torch.Tensor, b_O: torch.Tensor | None = No
     if not _cpu_product(x_NI):
         return _linear_blas(x_NI, w_OI, b_O, out)
     key = shape_key("linear", x_NI.shape[0], (x_NI.shape[1], w_OI.shape[0]), x_NI.dtype, x_NI, w_OI, b_O)
-    backend = _backend(key, x_NI.dtype, lambda name: _LINEAR[name](x_NI, w_OI, b_O, out))
+    macs = x_NI.shape[0] * x_NI.shape[1] * w_OI.shape[0]
+    backend = _backend(key, x_NI.dtype, macs, lambda name: _LINEAR[name](x_NI, w_OI, b_O, out))
     return _LINEAR[backend](x_NI, w_OI, b_O, out)
 
 
@@ -210,13 +221,27 @@ def linear_tn(a_NP: torch.Tensor, b_NQ: torch.Tensor, out: torch.Tensor | None =
     if not _cpu_product(a_NP):
         return _linear_tn_blas(a_NP, b_NQ, out)
     key = shape_key("linear_tn", a_NP.shape[0], (a_NP.shape[1], b_NQ.shape[1]), a_NP.dtype, a_NP, b_NQ)
-    backend = _backend(key, a_NP.dtype, lambda name: _LINEAR_TN[name](a_NP, b_NQ, out))
+    macs = a_NP.shape[0] * a_NP.shape[1] * b_NQ.shape[1]
+    backend = _backend(key, a_NP.dtype, macs, lambda name: _LINEAR_TN[name](a_NP, b_NQ, out))
     return _LINEAR_TN[backend](a_NP, b_NQ, out)
 
 
 def choices() -> dict[str, str]:
     """The backend chosen for each shape class met so far ("kind|rows|widths|dtype|layouts" -> backend)."""
     return dict(_choices)
+
+
+def adopt(chosen: dict[str, str]) -> None:
+    """Use `chosen` (a `choices()` of another process, e.g. the one that wrote a checkpoint) from now
+    on, over this process's own choices for the same shape classes.
+
+    Raises:
+        ValueError: `chosen` is not a mapping of shape-class strings to implementation names.
+    """
+    if not isinstance(chosen, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in chosen.items()):
+        raise ValueError(f"GEMM choices must map shape classes to implementation names, got {chosen!r}")
+    _load()
+    _choices.update(chosen)
 
 
 def clear() -> None:

@@ -240,7 +240,9 @@ def _grouped_is_faster(x_NM, weight1, bias1, weight2, bias2, counts: list[int], 
     """Whether the grouped GEMM beat products per expert on this forward+backward, each run on the
     actual operands, timed once per shape class on the CPU (kernels.gemm): products alone would
     mislead, since per expert the activation and bias work on rows still in cache."""
-    if x_NM.device.type != "cpu" or not gemm.measuring(x_NM.dtype) or not runs_natively(x_NM, weight1):
+    L, H, M = weight1.shape
+    if (x_NM.device.type != "cpu" or not gemm.measuring(x_NM.dtype) or not runs_natively(x_NM, weight1)
+            or not gemm.worth_measuring(x_NM.shape[0] * (M * H + H * weight2.shape[1]))):
         return False
     inputs = [t.detach().requires_grad_() for t in (x_NM, weight1, bias1, weight2, bias2) if t is not None]
 
@@ -253,7 +255,6 @@ def _grouped_is_faster(x_NM, weight1, bias1, weight2, bias2, counts: list[int], 
                 torch.autograd.grad(y_NM, inputs, y_NM.detach())
         return run
 
-    L, H, M = weight1.shape
     key = gemm.shape_key("mlp", x_NM.shape[0], (L, M, H, weight2.shape[1]), x_NM.dtype, bias1)
     runs = {"per_expert": forward_backward(_PerExpertMLP), "grouped": forward_backward(_GroupedGemmMLP)}
     return gemm.choose(key, runs) == "grouped"

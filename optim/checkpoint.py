@@ -26,6 +26,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+from kernels import gemm
+
 __all__ = ["save", "load", "consolidated_state_dict", "verify"]
 
 _FORMAT = 1
@@ -127,11 +129,12 @@ def save(engine, save_dir: str, tag: str | None, client_state: dict, save_latest
     _barrier()
     with _single_process_quiet():
         dcp.save(_global_view(engine), storage_writer=dcp.FileSystemWriter(partial), no_dist=not _distributed())
-    rng = [None] * engine.world_size
+    rng, products = [None] * engine.world_size, [None] * engine.world_size
     if _distributed():
         dist.all_gather_object(rng, _rng_state())
+        dist.all_gather_object(products, gemm.choices())
     else:
-        rng = [_rng_state()]
+        rng, products = [_rng_state()], [gemm.choices()]
     if engine.rank == 0:
         meta = {
             "format": _FORMAT, "global_steps": engine.global_steps, "micro_steps": engine.micro_steps,
@@ -139,7 +142,7 @@ def save(engine, save_dir: str, tag: str | None, client_state: dict, save_latest
             "scaler": engine.scaler.state_dict() if engine.scaler is not None else None,
             "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
             "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in engine.optimizer.param_groups],
-            "client_state": client_state, "rng": rng,
+            "client_state": client_state, "rng": rng, "gemm": products,
         }
         torch.save(meta, os.path.join(partial, "meta.pt"))
         _write_atomically(os.path.join(partial, "manifest.json"), json.dumps(_manifest(partial), indent=1))
@@ -288,6 +291,8 @@ def load(engine, load_dir: str, tag: str | None, load_optimizer_states: bool = T
             group.update({k: v for k, v in saved.items() if k not in ("name", "moe")})
     if load_lr_scheduler_states and engine.lr_scheduler is not None and meta["lr_scheduler"] is not None:
         engine.lr_scheduler.load_state_dict(meta["lr_scheduler"])
+    if meta.get("gemm"):  # the products the saving rank had chosen: a resumed run multiplies as it did
+        gemm.adopt(meta["gemm"][engine.rank % len(meta["gemm"])])
     rng = meta["rng"][engine.rank % len(meta["rng"])]
     torch.set_rng_state(rng["cpu"])
     if "cuda" in rng and torch.cuda.is_available():

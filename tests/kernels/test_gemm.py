@@ -19,10 +19,14 @@ FP32 = dict(rtol=1e-5, atol=1e-5)
 BF16 = dict(rtol=2e-2, atol=2e-2)
 
 
+DEFAULT_MEASURE_FROM = gemm.MEASURE_FROM
+
+
 @pytest.fixture(autouse=True)
 def _fresh_choices(monkeypatch):
     monkeypatch.delenv("MOE_CPU_GEMM", raising=False)
     monkeypatch.delenv("MOE_CPU_GEMM_CACHE", raising=False)
+    monkeypatch.setattr(gemm, "MEASURE_FROM", 0)  # the shapes here are small: measure them anyway
     gemm.clear()
     yield
     gemm.clear()
@@ -176,6 +180,35 @@ def test_choices_persist_in_the_cache_file(monkeypatch, tmp_path):
     torch.testing.assert_close(gemm.linear(x, w), F.linear(x, w), **FP32)
     assert gemm.choices() == {"linear|32|8x12|float32|nn-": "onednn"}
     assert not list(tmp_path.glob(".gemm-*")), "no temporary file is left behind"
+
+
+def test_small_products_take_blas_unmeasured(monkeypatch):
+    monkeypatch.setattr(gemm, "MEASURE_FROM", DEFAULT_MEASURE_FROM)
+    monkeypatch.setattr(gemm, "_measure", lambda runs: pytest.fail("a small product was measured"))
+    x, w, b = _operands(64, 32, 64, torch.float32, False)  # 131,072 multiply-adds
+    torch.testing.assert_close(gemm.linear(x, w, b), F.linear(x, w, b), rtol=0, atol=0)  # BLAS: torch's own
+    torch.testing.assert_close(gemm.linear_tn(x, x), torch.mm(x.t(), x), rtol=0, atol=0)
+    torch.manual_seed(0)
+    layer = MoE(16, nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16)), num_experts=4, k=2)
+    layer(torch.randn(24, 16))[0].sum().backward()
+    assert gemm.choices() == {}
+    assert not gemm.worth_measuring(DEFAULT_MEASURE_FROM - 1) and gemm.worth_measuring(DEFAULT_MEASURE_FROM)
+
+
+def test_adopted_choices_replace_measured_ones(monkeypatch):
+    if not gemm.measuring(torch.float32):
+        pytest.skip("this torch build has no oneDNN linear: products always use BLAS")
+    monkeypatch.setattr(gemm, "_measure", lambda runs: "blas")
+    x, w, _ = _operands(20, 8, 12, torch.float32, False)
+    gemm.linear(x, w)
+    assert gemm.choices() == {"linear|32|8x12|float32|nn-": "blas"}
+    gemm.adopt({"linear|32|8x12|float32|nn-": "onednn", "linear|64|8x12|float32|nn-": "onednn"})
+    monkeypatch.setattr(gemm, "_measure", lambda runs: pytest.fail("measured although a choice was adopted"))
+    gemm.linear(x, w)
+    gemm.linear(torch.cat([x, x, x]), w)
+    assert set(gemm.choices().values()) == {"onednn"}
+    with pytest.raises(ValueError, match="GEMM choices must map shape classes to implementation names, got"):
+        gemm.adopt(["blas"])
 
 
 def test_bad_settings_are_named(monkeypatch, tmp_path):

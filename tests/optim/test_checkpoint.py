@@ -119,6 +119,27 @@ def test_truncated_checkpoint_is_refused_and_the_previous_one_loads(tmp_path):
         engine.load_checkpoint(str(tmp_path), tag="missing_tag")
 
 
+def test_a_resumed_run_multiplies_with_the_saved_runs_products(tmp_path):
+    """The product implementations measured before a save are adopted on load: a resume that measured
+    afresh could pick others and leave the straight run's numbers (in the last bits)."""
+    from kernels import gemm
+
+    saved_choices = {"linear|4096|512x2048|float32|nn-": "onednn", "mlp|8192|16x512x2048x512|float32|n": "grouped"}
+    gemm.clear()
+    try:
+        gemm.adopt(saved_choices)
+        engine = _engine(1, 0)
+        engine_steps(engine, 1, 0, ACCUMULATION)
+        engine.save_checkpoint(str(tmp_path), tag="one")
+        assert torch.load(tmp_path / "one" / "meta.pt", weights_only=True)["gemm"] == [gemm.choices()]
+        gemm.clear()
+        gemm.adopt({"linear|4096|512x2048|float32|nn-": "blas"})  # this process measured otherwise
+        _engine(1, 0).load_checkpoint(str(tmp_path))
+        assert gemm.choices() == saved_choices
+    finally:
+        gemm.clear()
+
+
 def test_loss_backward_and_output_backward_equal_engine_backward():
     """fp16 scaling and accumulation reach plain loss.backward() and out.backward(grad) through the outputs."""
     results = []
