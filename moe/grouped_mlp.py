@@ -256,5 +256,7 @@ def _grouped_is_faster(x_NM, weight1, bias1, weight2, bias2, counts: list[int], 
         return run
 
     key = gemm.shape_key("mlp", x_NM.shape[0], (L, M, H, weight2.shape[1]), x_NM.dtype, bias1)
+    if torch.is_inference_mode_enabled():  # no backward can run to be timed: a kept choice, else per expert
+        return gemm.choices().get(key) == "grouped"
     runs = {"per_expert": forward_backward(_PerExpertMLP), "grouped": forward_backward(_GroupedGemmMLP)}
     return gemm.choose(key, runs) == "grouped"

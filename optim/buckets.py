@@ -64,6 +64,10 @@ class FlatShard:
         wire_dtype: the dtype buckets are reduced in (fp32 for half-precision gradients).
         all_reduce: stages 0/1: every rank gets every element; `shard_out` is the whole flat gradient,
             which also holds the local sums of the window's earlier micro-batches.
+        grads_are_views: (all-reduce mode) each .grad is its view into `shard_out` and autograd adds
+            into it; a .grad that is not (set to None or replaced by hand during the window) replaces
+            the local sum, as it would without buckets. Else .grad holds this backward's gradient
+            alone and adds to the local sum.
     """
 
     params: list[nn.Parameter]
@@ -75,6 +79,7 @@ class FlatShard:
     group_rank: int
     wire_dtype: torch.dtype
     all_reduce: bool = False
+    grads_are_views: bool = False
 
 
 @dataclass
@@ -160,6 +165,8 @@ class GradientBuckets:
                 view.copy_(param.grad.reshape(-1))
             elif param.grad.data_ptr() == local.data_ptr():  # the gradient is the flat gradient's view
                 view.copy_(local)
+            elif self.flats[flat].grads_are_views:  # .grad was replaced by hand: it replaces the local sum
+                view.copy_(param.grad.reshape(-1))
             else:
                 torch.add(local, param.grad.reshape(-1), out=view)
             if local is not None:
@@ -203,6 +210,8 @@ class GradientBuckets:
                 start = flat.offsets[index] - bucket.lo
                 part = self.buffers[n][start:start + flat.params[index].numel()]
                 local = self._take_local(bucket.flat, index)
+                if flat.grads_are_views and local is not None and flat.params[index].grad is None:
+                    local.zero_()  # .grad set to None during the window: its local sum is dropped
                 if local is None:
                     part.zero_()
                 else:

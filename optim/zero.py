@@ -169,7 +169,8 @@ class FlatGroup:
         wire = grads.dtype if grads.dtype in (torch.float32, torch.float64) else torch.float32
         self.bucketed = True
         return FlatShard([info.param for info in self.infos], self.offsets, grads.numel() if self.stage <= 1 else self.shard,
-                         grads, self.group, self.group_size, self.group_rank, wire, all_reduce=self.stage <= 1)
+                         grads, self.group, self.group_size, self.group_rank, wire, all_reduce=self.stage <= 1,
+                         grads_are_views=self.stage <= 1 and not self.accumulate)
 
     def micro_step(self) -> None:
         """After each backward: stages 0/1 with a wider gradient buffer add the gradients into it (stage 2's

@@ -162,6 +162,17 @@ def test_the_layer_plan_is_measured_on_the_cpu():
         assert plans == {}
 
 
+def test_the_first_forward_under_inference_mode_runs_without_measuring_the_plan():
+    torch.manual_seed(0)
+    layer = MoE(16, nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16)), num_experts=4, capacity_factor=2.0)
+    x = torch.randn(2, 12, 16)
+    with torch.inference_mode():
+        y = layer(x)[0]
+    assert not any(key.startswith("mlp|") for key in gemm.choices())
+    with torch.no_grad():
+        torch.testing.assert_close(y, layer(x)[0], **FP32)
+
+
 def test_choices_persist_in_the_cache_file(monkeypatch, tmp_path):
     if not gemm.measuring(torch.float32):
         pytest.skip("this torch build has no oneDNN linear: products always use BLAS")

@@ -108,6 +108,42 @@ def test_two_backwards_per_micro_batch_with_accumulation_on_two_ranks(stage):
                     timeout_s=120)
 
 
+def _reference_dropping_first(world, accumulation):
+    """Each window's first micro-batch's gradients zeroed (set to None) before the next micro-batch."""
+    model = Stack()
+    optimizer = torch.optim.SGD(_groups(model), lr=0.1, momentum=0.9)
+    for step in range(STEPS):
+        for micro in range(accumulation):
+            for rank in range(world):
+                loss = model(_batch(step * accumulation + micro, rank), _skip(rank))
+                (loss / (world * accumulation)).backward()
+            if micro == 0:
+                model.zero_grad()
+        optimizer.step()
+        optimizer.zero_grad()
+    return model.state_dict()
+
+
+def _check_zero_grad_mid_window(rank, world, expected, stage):
+    for bucket_size, overlap in [(WIDTH, True), (10**9, False)]:
+        engine = _engine(bucket_size, overlap, stage, accumulation=3)
+        for step in range(STEPS * 3):
+            engine.backward(engine(_batch(step, rank), _skip(rank)))
+            if step % 3 == 0:
+                engine.module.zero_grad()  # set_to_none: this window's sums so far are dropped
+            engine.step()
+        state = engine.consolidated_state_dict()
+        if rank == 0:
+            for name, value in expected.items():
+                torch.testing.assert_close(state[name], value, **FP32,
+                                           msg=lambda m: f"stage {stage} bucket {bucket_size} {name}: {m}")
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+def test_module_zero_grad_during_a_window_drops_the_local_sums(stage):
+    run_distributed(_check_zero_grad_mid_window, 2, _reference_dropping_first(2, 3), stage, timeout_s=120)
+
+
 def test_a_second_backward_in_one_micro_batch_adds_up():
     expected = _reference(1, backwards=2)
     for bucket_size in (10**9, WIDTH):  # one bucket; a bucket per bias or weight

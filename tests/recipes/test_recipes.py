@@ -214,12 +214,16 @@ def test_gpt_compile_flag_compiles_the_model_in_place(tmp_path, monkeypatch):
     _same_curve(result["history"]["train"], plain["history"]["train"])
 
 
-def test_two_identical_gpt_runs_in_one_process_are_bitwise_equal(tmp_path):
+def test_two_identical_gpt_runs_in_one_process_are_bitwise_equal(tmp_path, monkeypatch):
     """The first run measures the CPU products' backends, the second reuses them: same bits."""
+    monkeypatch.setattr(gemm, "MEASURE_FROM", 0)  # the tiny model's products are measured all the same
     gemm.clear()
     args = GPT_TINY + ["--steps", "6", "--eval-interval", "6", "--log-interval", "3", "--log-dir", str(tmp_path)]
-    first, second = gpt.main(args), gpt.main(args)
-    assert gemm.choices(), "the CPU products were chosen by measurement"
+    try:
+        first, second = gpt.main(args), gpt.main(args)
+        assert gemm.choices() or not gemm.measuring(torch.float32), "the CPU products were chosen by measurement"
+    finally:
+        gemm.clear()  # the choices of products too small to measure stay out of later tests
     assert first["history"]["train"] == second["history"]["train"]
     assert first["history"]["val"] == second["history"]["val"]
 
