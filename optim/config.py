@@ -125,7 +125,7 @@ class OffloadConfig:
 
 @dataclass(kw_only=True)
 class ZeroConfig:
-    """`zero_optimization`: the stage, its offload and stage 2's reduction buckets (`reduce_bucket_size`
+    """`zero_optimization`: the stage, its offload and the reduction buckets of stages 0-2 (`reduce_bucket_size`
     elements each, reduced during the backward; asynchronously with `overlap_comm`); the other keys are
     DeepSpeed tuning knobs."""
 
