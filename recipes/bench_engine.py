@@ -32,6 +32,7 @@ from optim import initialize
 from optim.memory import LiveBytes
 from parallel import init_distributed, reset_groups
 from recipes.cli import fail, flag_parser
+from recipes.bench_moe import chosen_backends
 from recipes.training import cpu_name
 
 BYTES_PGK = {"fp32": (4, 4, 8), "bf16": (2, 4, 12)}  # parameters, gradients, optimizer states (+ fp32 masters)
@@ -201,6 +202,8 @@ def main(argv=None) -> list[dict]:
             print(f"stage {stage}: ours {ms['ours']:7.1f} ms  {theirs}| ours step peak {peaks['ours'] / 2**20:6.1f} MiB, "
                   f"model states {report['total'] / 2**20:6.1f} MiB (ZeRO says {row['zero'] / 2**20:6.1f})", flush=True)
         del engines, mine
+    if rank == 0:
+        print(f"CPU products (shape classes -> backend, measured): {chosen_backends()}")
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
