@@ -346,4 +346,6 @@ def consolidated_state_dict(engine) -> dict | None:
     for key, value in entries.items():
         if key.startswith("buffer/"):
             out[key[7:]] = value
+        elif key.startswith("model/") and "#expert" not in key and key[6:] not in out:
+            out[key[6:]] = value  # experts kept as per-expert modules on other ranks, by their global names
     return out

@@ -183,3 +183,42 @@ def _evaluate_then_save(rank, world, folder):
 def test_stage3_saves_after_an_evaluation_pass(tmp_path, world):
     run_distributed(_evaluate_then_save, world, str(tmp_path), timeout_s=90)
     assert os.path.isdir(tmp_path / "after_eval")
+
+
+class _LinearExperts(torch.nn.Module):
+    """An MoE layer whose expert is one nn.Linear (DeepSpeed's CIFAR tutorial): experts stay per-expert modules."""
+
+    def __init__(self, ep_size):
+        super().__init__()
+        from moe import MoE
+
+        torch.manual_seed(0)
+        self.moe = MoE(8, torch.nn.Linear(8, 8), num_experts=4, ep_size=ep_size, k=1, min_capacity=0,
+                       expert_init="per_expert_seed", seed=7)
+
+    def forward(self, x):
+        return self.moe(x)[0].square().mean()
+
+
+def _linear_experts_consolidate_and_reload(rank, world, folder):
+    reset_groups()
+    engine, *_ = initialize(_LinearExperts(ep_size=2), config=config(2, 1, 0.0))
+    engine.backward(engine(torch.randn(6, 8, generator=torch.Generator().manual_seed(rank))))
+    engine.step()
+    state = engine.consolidated_state_dict()
+    engine.save_checkpoint(folder, tag="linear")
+    if rank == 0:
+        names = set(_LinearExperts(ep_size=1).state_dict())
+        assert set(state) == names, f"missing {sorted(names - set(state))}, extra {sorted(set(state) - names)}"
+        torch.save(state, os.path.join(folder, "consolidated.pt"))
+    reset_groups()
+    other, *_ = initialize(_LinearExperts(ep_size=1), config=config(1, 1, 0.0))
+    other.load_checkpoint(folder, tag="linear")
+    reloaded = other.consolidated_state_dict()
+    if rank == 0:
+        for name, value in torch.load(os.path.join(folder, "consolidated.pt"), weights_only=True).items():
+            assert torch.equal(reloaded[name], value), f"{name} differs after loading at ep 1"
+
+
+def test_per_expert_linear_experts_consolidate_and_reshard(tmp_path):
+    run_distributed(_linear_experts_consolidate_and_reload, 2, str(tmp_path), timeout_s=120)
