@@ -8,8 +8,10 @@ data-parallel rank 0 for experts), so every rank writes its share in parallel. A
 ep size, ZeRO stage) reads the entries it needs and cuts its own shards. Counters, scaler, scheduler,
 param-group settings, client state and every rank's RNG states go to `meta.pt`.
 
-Atomicity: everything is written into `.<tag>.partial`; rank 0 then records every file's size and
-CRC-32 in `manifest.json`, renames the folder to `<tag>` and only then rewrites `latest`. Loading
+Atomicity: everything is written into `.<tag>.partial` and synced to disk; rank 0 then records every
+file's size and CRC-32 in `manifest.json`, renames the folder to `<tag>` (syncing the directory) and
+only then rewrites `latest`. Saving a tag that exists moves the old folder to `.<tag>.old` first and
+deletes it last; loading reads `.<tag>.old` when a save stopped between the two renames. Loading
 checks the manifest first, so a truncated or half-written checkpoint fails with a clear error and
 the previous one, untouched, still loads. Files are read with `torch.load(weights_only=True)` and
 DCP; nothing is unpickled as code.
@@ -107,6 +109,28 @@ def _manifest(folder: str) -> dict:
     return entries
 
 
+def _fsync_dir(path: str) -> None:
+    """Make the renames and new files in a folder durable (a no-op where folders cannot be opened)."""
+    try:
+        handle = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(handle)
+    except OSError:
+        pass
+    finally:
+        os.close(handle)
+
+
+def _write_meta(path: str, meta: dict) -> None:
+    """meta.pt, on disk before its CRC is taken."""
+    with open(path, "wb") as handle:
+        torch.save(meta, handle)
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
 def _write_atomically(path: str, text: str) -> None:
     temporary = f"{path}.tmp"
     with open(temporary, "w") as handle:
@@ -114,6 +138,7 @@ def _write_atomically(path: str, text: str) -> None:
         handle.flush()
         os.fsync(handle.fileno())
     os.replace(temporary, path)
+    _fsync_dir(os.path.dirname(os.path.abspath(path)))
 
 
 def save(engine, save_dir: str, tag: str | None, client_state: dict, save_latest: bool = True) -> str:
@@ -144,16 +169,18 @@ def save(engine, save_dir: str, tag: str | None, client_state: dict, save_latest
             "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in engine.optimizer.param_groups],
             "client_state": client_state, "rng": rng, "gemm": products,
         }
-        torch.save(meta, os.path.join(partial, "meta.pt"))
+        _write_meta(os.path.join(partial, "meta.pt"), meta)
         _write_atomically(os.path.join(partial, "manifest.json"), json.dumps(_manifest(partial), indent=1))
-        if os.path.exists(final):  # same tag again: replace the old folder only once the new one is whole
-            old = os.path.join(save_dir, f".{tag}.old")
+        # same tag again: the old folder goes only once the new one is in place (between the two
+        # renames loading reads `.<tag>.old`, see _resolve)
+        old = os.path.join(save_dir, f".{tag}.old")
+        if os.path.exists(final):
             shutil.rmtree(old, ignore_errors=True)
             os.replace(final, old)
-            os.replace(partial, final)
-            shutil.rmtree(old)
-        else:
-            os.replace(partial, final)
+            _fsync_dir(save_dir)
+        os.replace(partial, final)
+        _fsync_dir(save_dir)
+        shutil.rmtree(old, ignore_errors=True)
         if save_latest:
             _write_atomically(os.path.join(save_dir, "latest"), tag)
     _barrier()
@@ -213,6 +240,9 @@ def _resolve(load_dir: str, tag: str | None) -> str:
         with open(latest) as handle:
             tag = handle.read().strip()
     path = os.path.join(load_dir, str(tag))
+    old = os.path.join(load_dir, f".{tag}.old")
+    if not os.path.isdir(path) and os.path.isdir(old):
+        return old  # a save of the same tag stopped between its two renames: the previous one is whole
     if not os.path.isdir(path):
         raise FileNotFoundError(f"checkpoint {path} does not exist")
     return path

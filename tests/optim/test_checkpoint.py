@@ -222,3 +222,63 @@ def _linear_experts_consolidate_and_reload(rank, world, folder):
 
 def test_per_expert_linear_experts_consolidate_and_reshard(tmp_path):
     run_distributed(_linear_experts_consolidate_and_reload, 2, str(tmp_path), timeout_s=120)
+
+
+class _Crash(Exception):
+    pass
+
+
+def test_a_save_stopped_at_any_point_leaves_the_previous_or_the_new_checkpoint(tmp_path, monkeypatch):
+    """Every file-system step of a save (DCP's writes, meta.pt, the manifest, fsyncs, the renames, the
+    removal of the replaced folder, `latest`) fails in turn, as a process killed there would stop; a fresh engine then loads the folder and
+    finds the checkpoint before the save or the one it was writing, whole, never neither."""
+    import shutil
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from optim import checkpoint
+
+    engine = _engine(1, 0)
+    engine_steps(engine, 1, 0, ACCUMULATION)
+    pristine = tmp_path / "pristine"
+    engine.save_checkpoint(str(pristine), tag="t")
+    before = {k: v.clone() for k, v in engine.consolidated_state_dict().items()}
+    engine_steps(engine, 1, 0, ACCUMULATION, first_step=1)
+    after = {k: v.clone() for k, v in engine.consolidated_state_dict().items()}
+    steps = [(os, "replace"), (os, "rename"), (os, "makedirs"), (shutil, "rmtree"), (checkpoint, "_write_meta"),
+             (checkpoint, "_fsync_dir"), (dcp, "save")]
+    calls = []
+
+    def save_failing_at(folder, tag, fail_at):
+        """Save into `folder`, raising at the fail_at-th file-system step (0: none); True if it stopped."""
+        calls.clear()
+        with monkeypatch.context() as patch:
+            for owner, name in steps:
+                def wrapper(*args, _original=getattr(owner, name), _name=name, **kwargs):
+                    calls.append(_name)
+                    if len(calls) == fail_at:
+                        raise _Crash(f"stopped at {_name}")
+                    return _original(*args, **kwargs)
+                patch.setattr(owner, name, wrapper)
+            try:
+                engine.save_checkpoint(str(folder), tag=tag)
+            except (Exception, CheckpointException):  # DCP wraps what its writers raise (a BaseException)
+                assert len(calls) >= fail_at > 0, f"the save failed on its own after {calls}"
+                return True
+        return False
+
+    for tag in ("t", "u"):  # the same tag again (the old folder is replaced), a new one
+        shutil.copytree(pristine, tmp_path / f"count-{tag}")
+        save_failing_at(tmp_path / f"count-{tag}", tag, 0)
+        total = len(calls)
+        assert {"save", "_write_meta", "replace", "rmtree", "_fsync_dir"} <= set(calls), calls
+        for fail_at in range(1, total + 1):
+            folder = tmp_path / f"{tag}-{fail_at}"
+            shutil.copytree(pristine, folder)
+            assert save_failing_at(folder, tag, fail_at), f"step {fail_at} of {total} did not run"
+            loaded = _engine(1, 0)
+            path, _ = loaded.load_checkpoint(str(folder))
+            state = loaded.consolidated_state_dict()
+            same = [all(torch.equal(state[k], v) for k, v in ref.items()) for ref in (before, after)]
+            assert any(same), f"a save of tag {tag} stopped at {calls[-1]} (step {fail_at}) left {path} matching neither"
