@@ -268,6 +268,49 @@ def _checked_path(engine, load_dir: str, tag: str | None) -> str:
     return text
 
 
+def _expert_counts(shapes: dict) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for key in shapes:
+        if "#expert" in key:
+            base = key.split("#expert")[0][len("model/"):]
+            counts[base] = counts.get(base, 0) + 1
+    return counts
+
+
+def _model_mismatch(engine, stored, path: str) -> str | None:
+    """The first difference between the checkpoint's parameters and this model's (collective), or None."""
+    mine = {}
+    for unit in engine.units:
+        for info in unit.infos:
+            shape = list(info.param.shape)
+            if info.expert and info.axis is not None:
+                del shape[info.axis]
+            for key in info.keys():
+                mine[f"model/{key}"] = shape
+    parts = [mine]
+    if _distributed():
+        parts = [None] * engine.world_size
+        dist.all_gather_object(parts, mine)
+    expected = {key: shape for part in parts for key, shape in part.items()}
+    saved = {key: list(entry.size) for key, entry in stored.items() if key.startswith("model/")}
+    theirs, ours = _expert_counts(saved), _expert_counts(expected)
+    for base in sorted(ours):
+        if theirs.get(base, 0) != ours[base]:
+            return (f"checkpoint {path} holds {theirs.get(base, 0)} experts for {base}, this model has {ours[base]} "
+                    "(a different --num-experts or model?)")
+    for key in sorted(expected):
+        if key not in saved:
+            return f"checkpoint {path} has no entry for parameter {key[6:]}: it was saved from a different model"
+        if saved[key] != expected[key]:
+            return (f"checkpoint {path} holds {key[6:]} with shape {saved[key]}, this model's is {expected[key]} "
+                    "(a different model width or configuration?)")
+    extra = sorted(set(saved) - set(expected))
+    if extra:
+        return (f"checkpoint {path} holds parameter {extra[0][6:]} that this model lacks ({len(extra)} such entries): "
+                "it was saved from a different model (more layers or experts?)")
+    return None
+
+
 def _targets(engine, metadata, with_optimizer: bool) -> dict[str, torch.Tensor]:
     """Empty tensors for every entry this rank needs, shaped and typed as saved."""
     stored = metadata.state_dict_metadata
@@ -275,11 +318,6 @@ def _targets(engine, metadata, with_optimizer: bool) -> dict[str, torch.Tensor]:
     for unit in engine.units:
         for info in unit.infos:
             for key in info.keys():
-                if f"model/{key}" not in stored:
-                    raise RuntimeError(
-                        f"checkpoint has no entry for parameter {key}: saved from a different model "
-                        "(or with a different expert count)?"
-                    )
                 wanted.append(f"model/{key}")
                 if with_optimizer:
                     wanted += [k for k in stored if k.startswith(f"optim/{key}/")]
@@ -299,7 +337,11 @@ def load(engine, load_dir: str, tag: str | None, load_optimizer_states: bool = T
     if meta.get("format") != _FORMAT:
         raise RuntimeError(f"checkpoint {path} has format {meta.get('format')}, this version reads {_FORMAT}")
     reader = dcp.FileSystemReader(path)
-    targets = _targets(engine, reader.read_metadata(), load_optimizer_states)
+    metadata = reader.read_metadata()
+    mismatch = _model_mismatch(engine, metadata.state_dict_metadata, path)
+    if mismatch is not None:  # every rank raises it, before anything is read or overwritten
+        raise RuntimeError(mismatch)
+    targets = _targets(engine, metadata, load_optimizer_states)
     with _single_process_quiet():
         dcp.load(targets, storage_reader=reader, no_dist=not _distributed())
     for unit in engine.units:

@@ -282,3 +282,23 @@ def test_a_save_stopped_at_any_point_leaves_the_previous_or_the_new_checkpoint(t
             state = loaded.consolidated_state_dict()
             same = [all(torch.equal(state[k], v) for k, v in ref.items()) for ref in (before, after)]
             assert any(same), f"a save of tag {tag} stopped at {calls[-1]} (step {fail_at}) left {path} matching neither"
+
+
+@pytest.mark.parametrize("saved,loading,message", [
+    ({}, {"experts": 8}, r"holds 4 experts for moe\.deepspeed_moe\.experts\.\S+, this model has 8"),
+    ({}, {"hidden": 32}, r"holds moe\.\S+ with shape \[\d+(, \d+)*\], this model's is"),
+    ({}, {"dense_width": 4}, r"has no entry for parameter block\.0\.bias: it was saved from a different model"),
+    ({"dense_width": 4}, {}, r"holds parameter block\.0\.bias that this model lacks \(4 such entries\)"),
+])
+def test_a_checkpoint_of_another_model_is_refused_before_anything_changes(tmp_path, saved, loading, message):
+    reset_groups()
+    engine, *_ = initialize(Net(**saved), config=config(1, ACCUMULATION, CLIP))
+    engine.save_checkpoint(str(tmp_path), tag="other")
+    reset_groups()
+    target, *_ = initialize(Net(**loading), config=config(1, ACCUMULATION, CLIP))
+    before = {k: v.clone() for k, v in target.consolidated_state_dict().items()}
+    for optimizer_states in (True, False):
+        with pytest.raises(RuntimeError, match=message):
+            target.load_checkpoint(str(tmp_path), load_optimizer_states=optimizer_states)
+    after = target.consolidated_state_dict()
+    assert all(torch.equal(after[k], v) for k, v in before.items()), "a refused load changed the model"
