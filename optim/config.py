@@ -191,10 +191,15 @@ class EngineConfig:
     zero_allow_untested_optimizer: bool = True
     communication_data_type: str | None = None
     dump_state: bool = False
+    # gradients holding inf or nan at a step without a loss scaler (fp32, bf16): "stop" raises before the
+    # weights change, "skip" skips the step as fp16's scaler does, "off" does not look (no host read)
+    nonfinite: str = "stop"
 
     def __post_init__(self):
         if self.fp16.enabled and self.bf16.enabled:
             raise ValueError("fp16.enabled and bf16.enabled cannot both be true")
+        if self.nonfinite not in ("stop", "skip", "off"):
+            raise ValueError(f"nonfinite must be stop, skip or off, got {self.nonfinite!r}")
         _check_range("gradient_clipping", self.gradient_clipping, 0)
         _check_range("steps_per_print", self.steps_per_print, 1)
 

@@ -150,6 +150,8 @@ class Engine:
         self.global_steps = self.micro_steps = self.skipped_steps = 0
         self._in_engine_backward = False
         self._skipped_last = False
+        self.last_checkpoint: str | None = None  # the folder of the last checkpoint saved or loaded
+        self._losses_finite = None  # whether this window's losses were finite (on the device; read only to explain a stop)
         self._timers = {"forward": 0.0, "backward": 0.0, "step": 0.0}
         low = config.low_precision
         self.compute_dtype = _DTYPES.get(low, torch.float32)
@@ -360,6 +362,8 @@ class Engine:
             (loss.float() * self._grad_factor()).backward(retain_graph=retain_graph)
         finally:
             self._in_engine_backward = False
+        finite = torch.isfinite(loss.detach()).all()
+        self._losses_finite = finite if self._losses_finite is None else self._losses_finite & finite
         if self._stats is not None and loss.numel() == 1:
             self._stats.add_loss(loss)
         self._timers["backward"] += time.perf_counter() - start
@@ -386,10 +390,17 @@ class Engine:
         for unit in self.units:
             unit.reduce()
         grads = [unit.grad() for unit in self.units]
-        self._skipped_last = self.scaler is not None and self._any_overflow(grads)
+        watch = self.scaler is not None or self.config.nonfinite != "off"
+        self._skipped_last = watch and self._any_overflow(grads)
+        if self._skipped_last and self.scaler is None and self.config.nonfinite == "stop":
+            self._stop_on_nonfinite(grads)
         if self._skipped_last:
             self.skipped_steps += 1
-            self.scaler.update(True)
+            if self.scaler is not None:
+                self.scaler.update(True)
+            else:
+                warnings.warn(f"step {self.global_steps + 1} skipped: gradients hold inf or nan (nonfinite: skip)",
+                              stacklevel=3)
             self.zero_grad()
             self._update_routers(skipped=True)
             return
@@ -417,12 +428,31 @@ class Engine:
         for router in self._routers:
             router.update_routing(skipped=skipped)
 
+    def _stop_on_nonfinite(self, grads: list[torch.Tensor]) -> None:
+        """Raise, on every rank, naming the step, the ranks whose gradients are not finite and the last checkpoint."""
+        mine = (self._losses_finite is not None and not bool(self._losses_finite),
+                any(bool((~torch.isfinite(g)).any()) for g in grads if g.numel()))
+        flags = [mine]
+        if self.world_size > 1:
+            flags = [None] * self.world_size
+            dist.all_gather_object(flags, mine)
+        losses = [r for r, (loss, _) in enumerate(flags) if loss]
+        where = (f"the loss was inf or nan on rank(s) {losses}" if losses else
+                 f"the gradients hold inf or nan on rank(s) {[r for r, (_, grad) in enumerate(flags) if grad]}")
+        self.zero_grad()
+        raise FloatingPointError(
+            f"step {self.global_steps + 1}: {where} (diverged? lower the learning rate); the weights were not "
+            f"changed; last checkpoint: {self.last_checkpoint or 'none'}. "
+            'Set "nonfinite": "skip" in the engine config to skip such steps instead')
+
     def _any_overflow(self, grads: list[torch.Tensor]) -> bool:
         """True when any rank's gradients hold inf or nan (agreed by all ranks): the step's one host read."""
         flag = torch.zeros(1, device=self.device)
         for g in grads:
-            if g.numel():
-                flag = torch.maximum(flag, (~torch.isfinite(g)).any().to(flag.device, flag.dtype))
+            if g.numel():  # min and max carry any nan or inf, without a temporary the size of g
+                low, high = torch.aminmax(g)
+                finite = torch.isfinite(low) & torch.isfinite(high)
+                flag = torch.maximum(flag, (~finite).to(flag.device, flag.dtype))
         if self.world_size > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return read_flag(flag)
@@ -458,13 +488,14 @@ class Engine:
 
     def zero_grad(self) -> None:
         """Clear accumulated gradients (buffers are kept and zeroed)."""
+        self._losses_finite = None
         if self._buckets is not None:
             self._buckets.discard()
         for unit in self.units:
             unit.zero_grad()
 
     def was_step_skipped(self) -> bool:
-        """Whether the last optimizer step was skipped for an fp16 overflow."""
+        """Whether the last optimizer step was skipped (an fp16 overflow, or non-finite gradients with nonfinite: skip)."""
         return self._skipped_last
 
     def get_lr(self) -> list[float]:
@@ -556,7 +587,8 @@ class Engine:
         Returns:
             the checkpoint's directory.
         """
-        return checkpoint.save(self, save_dir, tag, client_state or {}, save_latest)
+        self.last_checkpoint = checkpoint.save(self, save_dir, tag, client_state or {}, save_latest)
+        return self.last_checkpoint
 
     def load_checkpoint(self, load_dir: str, tag: str | None = None, load_optimizer_states: bool = True,
                         load_lr_scheduler_states: bool = True):
@@ -565,7 +597,9 @@ class Engine:
         Returns:
             (path, client_state).
         """
-        return checkpoint.load(self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states)
+        path, client_state = checkpoint.load(self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states)
+        self.last_checkpoint = path
+        return path, client_state
 
     def consolidated_state_dict(self) -> dict | None:
         """The full model state_dict, as a one-process model with every expert names it, on rank 0 (collective)."""

@@ -321,6 +321,8 @@ def main(argv: list[str] | None = None) -> dict:
             dist.barrier()  # no rank tears its group down while a peer's last exchange is in flight
     except SetupError as error:
         fail(parser, str(error))
+    except FloatingPointError as error:  # the engine's non-finite guard: one line, exit status 1
+        parser.exit(1, f"{parser.prog}: stopped: {error}\n")
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

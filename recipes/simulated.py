@@ -11,7 +11,7 @@ reads go through a few named functions, which `HostReads` answers here:
 - the split sizes of packed and grouped layouts (`moe.expert_parallel.read_counts`, `read_exchange`,
   `moe.rank_exchange.read_pair_exchange`):
   every rank is taken to keep `rows_per_rank` rows per MoE layer, spread evenly;
-- the fp16 overflow flag (`optim.engine.read_flag`): no overflow;
+- the overflow flag (`optim.engine.read_flag`: fp16's, or the non-finite guard of fp32/bf16 steps): no overflow;
 - TensorBoard's summed statistics (`optim.monitor.read_stats`): zeros;
 - the recipes' evaluation sums (`recipes.training.read_sums`): ones.
 

@@ -233,3 +233,25 @@ def test_bench_gpt_times_both_models(capsys):
     assert set(results) == {"moe", "dense"} and all(rate > 0 for rate in results.values())
     out = capsys.readouterr().out
     assert "CPU: " in out and "MoE / dense tokens/s: " in out
+
+
+def test_a_diverging_run_stops_with_one_line_and_saves_no_nonfinite_weights(tmp_path, capsys):
+    import torch.distributed.checkpoint as dcp
+
+    folder = tmp_path / "ckpt"
+    args = GPT_TINY + ["--dense", "--lr", "1e6", "--warmup-steps", "0", "--steps", "40", "--eval-interval", "40",
+                       "--checkpoint-dir", str(folder), "--checkpoint-interval", "1", "--log-dir", str(tmp_path)]
+    with pytest.raises(SystemExit) as stopped:
+        gpt.main(args)
+    assert stopped.value.code == 1
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert line.startswith("recipes.gpt: stopped: step ") and "inf or nan on rank(s) [0]" in line, line
+    assert "last checkpoint: " + str(folder) in line
+    saved = [p for p in folder.iterdir() if p.is_dir() and not p.name.startswith(".")]
+    assert saved, "the run saved checkpoints before it diverged"
+    for path in saved:
+        reader = dcp.FileSystemReader(str(path))
+        entries = {k: torch.empty(tuple(v.size), dtype=v.properties.dtype)
+                   for k, v in reader.read_metadata().state_dict_metadata.items() if k.startswith("model/")}
+        dcp.load(entries, storage_reader=reader, no_dist=True)
+        assert all(torch.isfinite(t).all() for t in entries.values()), f"{path.name} holds non-finite weights"
