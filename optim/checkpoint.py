@@ -168,6 +168,9 @@ def save(engine, save_dir: str, tag: str | None, client_state: dict, save_latest
             "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
             "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in engine.optimizer.param_groups],
             "client_state": client_state, "rng": rng, "gemm": products,
+            # how stacked experts' entries (`<name>#expert<g>`) join into the one-process parameter
+            "expert_axes": {info.global_name: info.axis for unit in engine.units for info in unit.infos
+                            if info.expert and info.axis is not None},
         }
         _write_meta(os.path.join(partial, "meta.pt"), meta)
         _write_atomically(os.path.join(partial, "manifest.json"), json.dumps(_manifest(partial), indent=1))
