@@ -35,7 +35,8 @@ from moe import MoE, split_params_into_different_moe_groups_for_optimizer
 from optim import initialize
 from parallel import init_distributed
 from recipes.cli import engine_config, fail, flag_parser, parse_config
-from recipes.training import Progress, SetupError, all_sum
+from recipes.training import (Progress, SetupError, all_sum, claim_checkpoint_dir, prune_checkpoints,
+                              release_checkpoint_dir)
 
 CLASSES = ("plane", "car", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck")
 MEAN, STD = torch.tensor([0.4914, 0.4822, 0.4465]), torch.tensor([0.2470, 0.2435, 0.2616])
@@ -66,7 +67,13 @@ class CifarConfig:
     test_size: int = field(default=0, metadata={"help": "use only this many test images (0: all)"})
     config: str = field(default="", metadata={"help": "a JSON engine config; flags written out override it"})
     checkpoint_dir: str = ""
-    resume: bool = field(default=False, metadata={"help": "continue from the latest checkpoint in --checkpoint-dir"})
+    resume: str = field(default="", metadata={
+        "nargs": "?", "const": "yes", "choices": ["yes", "auto"],
+        "help": "continue from the latest checkpoint in --checkpoint-dir; `--resume auto`: when there is one, "
+                "else start (for torchrun --max-restarts)"})
+    start_over: bool = field(default=False, metadata={
+        "help": "write into a --checkpoint-dir that holds an earlier run without resuming it"})
+    keep_last: int = field(default=0, metadata={"help": "keep only the newest n checkpoints (0: all)"})
     log_dir: str = "runs"
     run_name: str = ""
     seed: int = 0
@@ -286,6 +293,8 @@ def train(cfg: CifarConfig, given: set[str], rank: int, world: int) -> dict:
                 **{f"Val/accuracy_{name}": a for name, a in zip(CLASSES, per_class)}})
         if cfg.checkpoint_dir:
             engine.save_checkpoint(cfg.checkpoint_dir, client_state={"epoch": epoch, "recipe": asdict(cfg)})
+            if rank == 0:
+                prune_checkpoints(cfg.checkpoint_dir, cfg.keep_last)
     if engine.monitor is not None:
         engine.monitor.close()
         progress.message(f"TensorBoard logs: {engine.monitor.log_dir}   (view: tensorboard --logdir {cfg.log_dir})")
@@ -295,6 +304,8 @@ def train(cfg: CifarConfig, given: set[str], rank: int, world: int) -> dict:
 def checked_config(parser, argv: list[str] | None, world: int) -> tuple[CifarConfig, set[str]]:
     """Parse and validate the flags (on --resume the model flags come from the checkpoint); one line on error."""
     cfg, given = parse_config(parser, CifarConfig, argv)
+    if cfg.keep_last < 0:
+        fail(parser, f"--keep-last must be 0 (keep all) or more, got {cfg.keep_last}")
     if not cfg.run_name:
         cfg.run_name = f"cifar-{'moe' if cfg.moe else 'dense'}-{time.strftime('%Y%m%d-%H%M%S')}"
     if world % cfg.ep_world_size:
@@ -323,7 +334,10 @@ def main(argv: list[str] | None = None) -> dict:
     cfg, given = checked_config(parser, argv, world)
     if rank == 0:
         print("config:", json.dumps(asdict(cfg)), f"processes={world}", flush=True)
+    claimed = rank == 0 and bool(cfg.checkpoint_dir)
     try:
+        if claimed:  # one writer per checkpoint folder
+            claim_checkpoint_dir(cfg.checkpoint_dir)
         result = train(cfg, given, rank, world)
         if dist.is_initialized():
             dist.barrier()  # no rank tears its group down while a peer's last exchange is in flight
@@ -333,6 +347,8 @@ def main(argv: list[str] | None = None) -> dict:
     except FloatingPointError as error:  # the engine's non-finite guard: one line, exit status 1
         parser.exit(1, f"{parser.prog}: stopped: {error}\n")
     finally:
+        if claimed:
+            release_checkpoint_dir(cfg.checkpoint_dir)
         if dist.is_initialized():
             dist.destroy_process_group()
 

@@ -9,6 +9,7 @@ import argparse
 import copy
 import dataclasses
 import json
+import os
 import sys
 
 from optim import read_client_state
@@ -27,7 +28,7 @@ def flag_parser(config_class, description: str) -> argparse.ArgumentParser:
         default = field.default_factory() if field.default_factory is not dataclasses.MISSING else field.default
         options = {"default": default, **field.metadata}
         options["help"] = (options.get("help", "") + " (default: %(default)s)").lstrip()
-        if isinstance(default, bool):
+        if isinstance(default, bool) and "nargs" not in options:
             options["action"] = argparse.BooleanOptionalAction if default else "store_true"
         elif "type" not in options:
             options["type"] = type(default)
@@ -59,16 +60,33 @@ def parse_config(parser: argparse.ArgumentParser, config_class, argv: list[str] 
     """
     cfg = config_class(**vars(parser.parse_args(argv)))
     given = given_flags(parser, argv)
+    folder = cfg.checkpoint_dir
+    if folder and os.path.exists(folder) and not os.path.isdir(folder):
+        fail(parser, f"--checkpoint-dir {folder} is a file, not a folder")
+    earlier = bool(folder) and os.path.isfile(os.path.join(folder, "latest"))
+    if cfg.resume == "auto":  # a restarted run (torchrun --max-restarts) continues; a first run starts
+        cfg.resume = "yes" if earlier else ""
     if not cfg.resume:
+        if earlier and not cfg.start_over:
+            fail(parser, f"--checkpoint-dir {folder} holds an earlier run (latest: {_latest(folder)}): add --resume "
+                         "to continue it, --start-over to write over it, or name another folder")
         return cfg, given
-    if not cfg.checkpoint_dir:
+    if not folder:
         fail(parser, "--resume needs --checkpoint-dir")
     try:
         saved = read_client_state(cfg.checkpoint_dir)["recipe"]
-        cfg = config_class(**{**saved, **{name: getattr(cfg, name) for name in given}, "resume": True})
+        cfg = config_class(**{**saved, **{name: getattr(cfg, name) for name in given}, "resume": "yes"})
     except (OSError, RuntimeError, KeyError, TypeError) as error:
         fail(parser, f"cannot resume from --checkpoint-dir {cfg.checkpoint_dir}: {error}")
     return cfg, given
+
+
+def _latest(folder: str) -> str:
+    try:
+        with open(os.path.join(folder, "latest"), "rb") as handle:
+            return handle.read(200).decode("utf-8", "replace").strip()
+    except OSError:
+        return "unreadable"
 
 
 def fail(parser: argparse.ArgumentParser, message: str):

@@ -36,7 +36,8 @@ from optim import initialize, read_client_state
 from parallel import init_distributed
 from recipes.cli import engine_config, fail, flag_parser, parse_config
 from recipes.gpt_model import GPT, GPTConfig
-from recipes.training import Progress, SetupError, all_sum
+from recipes.training import (Progress, SetupError, all_sum, claim_checkpoint_dir, prune_checkpoints,
+                              release_checkpoint_dir)
 
 
 @dataclass(kw_only=True)
@@ -103,7 +104,13 @@ class TrainConfig:
     run_name: str = field(default="", metadata={"help": "TensorBoard run folder; empty: gpt-<moe|dense>-<time>"})
     checkpoint_dir: str = ""
     checkpoint_interval: int = field(default=0, metadata={"help": "save every n steps (and at the end)"})
-    resume: bool = field(default=False, metadata={"help": "continue from the latest checkpoint in --checkpoint-dir"})
+    resume: str = field(default="", metadata={
+        "nargs": "?", "const": "yes", "choices": ["yes", "auto"],
+        "help": "continue from the latest checkpoint in --checkpoint-dir; `--resume auto`: when there is one, "
+                "else start (for torchrun --max-restarts)"})
+    start_over: bool = field(default=False, metadata={
+        "help": "write into a --checkpoint-dir that holds an earlier run without resuming it"})
+    keep_last: int = field(default=0, metadata={"help": "keep only the newest n checkpoints (0: all)"})
     config: str = field(default="", metadata={"help": "a JSON engine config; flags written out override it"})
     seed: int = 0
 
@@ -266,6 +273,8 @@ def train(cfg: TrainConfig, given: set[str], rank: int, world: int) -> dict:
         if cfg.checkpoint_dir and ((cfg.checkpoint_interval and step % cfg.checkpoint_interval == 0)
                                    or step == cfg.steps):
             engine.save_checkpoint(cfg.checkpoint_dir, client_state={"recipe": asdict(cfg)})
+            if rank == 0:
+                prune_checkpoints(cfg.checkpoint_dir, cfg.keep_last)
     if engine.monitor is not None:
         engine.monitor.close()
         progress.message(f"TensorBoard logs: {engine.monitor.log_dir}   (view: tensorboard --logdir {cfg.log_dir})")
@@ -277,6 +286,8 @@ def train(cfg: TrainConfig, given: set[str], rank: int, world: int) -> dict:
 def checked_config(parser, argv: list[str] | None, world: int) -> tuple[TrainConfig, set[str]]:
     """Parse and validate the flags (and on --resume take the model from the checkpoint); one line on error."""
     cfg, given = parse_config(parser, TrainConfig, argv)
+    if cfg.keep_last < 0:
+        fail(parser, f"--keep-last must be 0 (keep all) or more, got {cfg.keep_last}")
     if not cfg.run_name:
         cfg.run_name = f"gpt-{'dense' if cfg.dense else 'moe'}-{time.strftime('%Y%m%d-%H%M%S')}"
     if world % cfg.ep_world_size:
@@ -314,7 +325,10 @@ def main(argv: list[str] | None = None) -> dict:
     # compiled, the packed and grouped layouts' one host read (rows per expert) becomes symbolic sizes,
     # so they compile whole instead of breaking the graph and recompiling as the counts change
     compiling = torch._dynamo.config.patch(capture_scalar_outputs=True) if cfg.compile else contextlib.nullcontext()
+    claimed = rank == 0 and bool(cfg.checkpoint_dir)
     try:
+        if claimed:  # one writer per checkpoint folder
+            claim_checkpoint_dir(cfg.checkpoint_dir)
         with compiling:
             result = train(cfg, given, rank, world)
         if dist.is_initialized():
@@ -324,6 +338,8 @@ def main(argv: list[str] | None = None) -> dict:
     except FloatingPointError as error:  # the engine's non-finite guard: one line, exit status 1
         parser.exit(1, f"{parser.prog}: stopped: {error}\n")
     finally:
+        if claimed:
+            release_checkpoint_dir(cfg.checkpoint_dir)
         if dist.is_initialized():
             dist.destroy_process_group()
     return result

@@ -1,6 +1,10 @@
 """Pieces the recipes share: the console progress line, sums over all processes, the CPU's name."""
 
+import os
 import platform
+import re
+import shutil
+import socket
 import sys
 import time
 
@@ -84,3 +88,75 @@ def cpu_name() -> str:
     except OSError:
         pass
     return platform.processor() or "unknown CPU"
+
+
+# The checkpoint folder of a run: one writer at a time, interrupted saves cleared, old checkpoints pruned.
+
+_LOCK = ".writer.lock"
+
+
+def claim_checkpoint_dir(folder: str) -> None:
+    """Make this process the folder's one writer (rank 0 calls it before training), or raise SetupError.
+
+    The lock file names the host and process; one left by a process of this host that no longer runs
+    (a run that was killed, restarted by torchrun) is taken over. Interrupted saves (`.<tag>.partial`,
+    and `.<tag>.old` beside a whole `<tag>`) are removed.
+    """
+    os.makedirs(folder, exist_ok=True)
+    path, me = os.path.join(folder, _LOCK), f"{socket.gethostname()} {os.getpid()}"
+    for _ in range(2):
+        try:
+            handle = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            with open(path) as existing:
+                holder = existing.read().strip()
+            host, _, pid = holder.partition(" ")
+            if host == socket.gethostname() and pid.isdigit() and not _alive(int(pid)):
+                os.remove(path)  # its writer is gone
+                continue
+            raise SetupError(f"--checkpoint-dir {folder} is being written by another run (host {host}, process "
+                             f"{pid}); stop that run, or remove {path} if it is not running") from None
+        with os.fdopen(handle, "w") as lock:
+            lock.write(me)
+        break
+    for name in os.listdir(folder):
+        if name.startswith(".") and name.endswith(".partial"):
+            shutil.rmtree(os.path.join(folder, name), ignore_errors=True)
+        elif name.startswith(".") and name.endswith(".old") and os.path.isdir(os.path.join(folder, name[1:-4])):
+            shutil.rmtree(os.path.join(folder, name), ignore_errors=True)
+
+
+def release_checkpoint_dir(folder: str) -> None:
+    """Remove this process's lock (at the end of a run)."""
+    try:
+        with open(os.path.join(folder, _LOCK)) as existing:
+            mine = existing.read().strip().endswith(f" {os.getpid()}")
+        if mine:
+            os.remove(os.path.join(folder, _LOCK))
+    except OSError:
+        pass
+
+
+def prune_checkpoints(folder: str, keep_last: int) -> list[str]:
+    """Delete all but the newest `keep_last` checkpoints (by global step; never the one `latest` names); returns
+    the deleted tags."""
+    if keep_last < 1:
+        return []
+    with open(os.path.join(folder, "latest")) as handle:
+        latest = handle.read().strip()
+    steps = sorted((int(m[1]), name) for name in os.listdir(folder)
+                   if (m := re.fullmatch(r"global_step(\d+)", name)) and os.path.isdir(os.path.join(folder, name)))
+    doomed = [name for _, name in steps[:-keep_last] if name != latest]
+    for name in doomed:
+        shutil.rmtree(os.path.join(folder, name), ignore_errors=True)
+    return doomed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -255,3 +255,44 @@ def test_a_diverging_run_stops_with_one_line_and_saves_no_nonfinite_weights(tmp_
                    for k, v in reader.read_metadata().state_dict_metadata.items() if k.startswith("model/")}
         dcp.load(entries, storage_reader=reader, no_dist=True)
         assert all(torch.isfinite(t).all() for t in entries.values()), f"{path.name} holds non-finite weights"
+
+
+def _gpt_exit(args, capsys):
+    with pytest.raises(SystemExit) as stopped:
+        gpt.main(args)
+    return stopped.value.code, capsys.readouterr().err.strip()
+
+
+def test_checkpoint_folder_guards(tmp_path, capsys):
+    """`latest` never moves back, one writer per folder, --resume auto, --keep-last, interrupted saves cleared."""
+    import socket
+
+    folder = tmp_path / "ckpt"
+    base = GPT_TINY + ["--steps", "4", "--eval-interval", "4", "--log-dir", str(tmp_path), "--checkpoint-dir", str(folder)]
+    first = gpt.main(base + ["--resume", "auto", "--checkpoint-interval", "1", "--keep-last", "2"])  # nothing yet: starts
+    assert [s for s, _ in first["history"]["train"]] == [1, 2, 3, 4]
+    assert sorted(p.name for p in folder.iterdir() if not p.name.startswith(".")) == \
+        ["global_step3", "global_step4", "latest"]
+    assert not (folder / ".writer.lock").exists(), "the lock goes with the run"
+
+    code, err = _gpt_exit(base, capsys)  # a run that does not resume must not move `latest` back
+    assert code == 2 and err.endswith("holds an earlier run (latest: global_step4): add --resume to continue it, "
+                                      "--start-over to write over it, or name another folder"), err
+    (folder / ".global_step9.partial").mkdir()  # a save that was interrupted
+    resumed = gpt.main(base + ["--resume", "auto", "--steps", "6"])
+    assert [s for s, _ in resumed["history"]["train"]] == [5, 6]
+    assert not (folder / ".global_step9.partial").exists()
+
+    (folder / ".writer.lock").write_text(f"{socket.gethostname()} {os.getppid()}")  # a live writer
+    code, err = _gpt_exit(base + ["--resume"], capsys)
+    assert code == 2 and "is being written by another run" in err and str(os.getppid()) in err, err
+    (folder / ".writer.lock").write_text(f"{socket.gethostname()} 999999999")  # a writer that is gone
+    gpt.main(base + ["--start-over", "--steps", "1"])
+    assert (folder / "latest").read_text() == "global_step1"
+
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    code, err = _gpt_exit(GPT_TINY + ["--checkpoint-dir", str(a_file)], capsys)
+    assert code == 2 and err.endswith(f"--checkpoint-dir {a_file} is a file, not a folder"), err
+    code, err = _gpt_exit(GPT_TINY + ["--keep-last", "-1"], capsys)
+    assert code == 2 and "--keep-last must be 0 (keep all) or more, got -1" in err, err
