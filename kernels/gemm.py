@@ -35,8 +35,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-__all__ = ["BACKENDS", "MEASURE_FROM", "PIECE_ROWS", "adopt", "choices", "choose", "clear", "linear", "linear_tn",
-           "measuring", "shape_key", "worth_measuring"]
+__all__ = ["BACKENDS", "MEASURE_FROM", "PIECE_ROWS", "adopt", "choices", "choose", "clear", "cpu_model", "linear",
+           "linear_tn", "measuring", "shape_key", "worth_measuring"]
 
 BACKENDS = ("blas", "onednn")
 PIECE_ROWS = 32
@@ -254,11 +254,12 @@ def clear() -> None:
 # --- the optional file of choices ---------------------------------------------------------------
 
 def _machine() -> str:
-    return f"{platform.machine()} {_cpu_model()} torch {torch.__version__} threads {torch.get_num_threads()}"
+    return f"{platform.machine()} {cpu_model()} torch {torch.__version__} threads {torch.get_num_threads()}"
 
 
 @functools.cache
-def _cpu_model() -> str:
+def cpu_model() -> str:
+    """The CPU's model name (Linux's /proc/cpuinfo): choices are kept per machine, figures name it."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:

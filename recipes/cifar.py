@@ -34,7 +34,8 @@ from torch import nn
 from moe import MoE, split_params_into_different_moe_groups_for_optimizer
 from optim import initialize
 from parallel import init_distributed
-from recipes.cli import engine_config, fail, flag_parser, parse_config
+from recipes.cli import (engine_config, fail, flag_parser, keep_last_field, parse_config, resume_field,
+                         start_over_field)
 from recipes.training import (Progress, SetupError, all_sum, claim_checkpoint_dir, prune_checkpoints,
                               release_checkpoint_dir)
 
@@ -67,13 +68,9 @@ class CifarConfig:
     test_size: int = field(default=0, metadata={"help": "use only this many test images (0: all)"})
     config: str = field(default="", metadata={"help": "a JSON engine config; flags written out override it"})
     checkpoint_dir: str = ""
-    resume: str = field(default="", metadata={
-        "nargs": "?", "const": "yes", "choices": ["yes", "auto"],
-        "help": "continue from the latest checkpoint in --checkpoint-dir; `--resume auto`: when there is one, "
-                "else start (for torchrun --max-restarts)"})
-    start_over: bool = field(default=False, metadata={
-        "help": "write into a --checkpoint-dir that holds an earlier run without resuming it"})
-    keep_last: int = field(default=0, metadata={"help": "keep only the newest n checkpoints (0: all)"})
+    resume: str = resume_field()
+    start_over: bool = start_over_field()
+    keep_last: int = keep_last_field()
     log_dir: str = "runs"
     run_name: str = ""
     seed: int = 0

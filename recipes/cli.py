@@ -15,6 +15,23 @@ import sys
 from optim import read_client_state
 
 
+# The checkpoint-folder flags both recipes share (dataclass fields).
+def resume_field():
+    return dataclasses.field(default="", metadata={
+        "nargs": "?", "const": "yes", "choices": ["yes", "auto"],
+        "help": "continue from the latest checkpoint in --checkpoint-dir; `--resume auto`: when there is one, "
+                "else start (for torchrun --max-restarts)"})
+
+
+def start_over_field():
+    return dataclasses.field(default=False, metadata={
+        "help": "write into a --checkpoint-dir that holds an earlier run without resuming it"})
+
+
+def keep_last_field():
+    return dataclasses.field(default=0, metadata={"help": "keep only the newest n checkpoints (0: all)"})
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str):
         """One line, no usage block."""

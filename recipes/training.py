@@ -1,7 +1,6 @@
 """Pieces the recipes share: the console progress line, sums over all processes, the CPU's name."""
 
 import os
-import platform
 import re
 import shutil
 import socket
@@ -10,6 +9,8 @@ import time
 
 import torch
 import torch.distributed as dist
+
+from kernels import gemm
 
 
 class SetupError(Exception):
@@ -80,14 +81,7 @@ class Progress:
 
 def cpu_name() -> str:
     """The CPU model (Linux's /proc/cpuinfo), so that a speed figure says where it was taken."""
-    try:
-        with open("/proc/cpuinfo") as handle:
-            for line in handle:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
+    return gemm.cpu_model()
 
 
 # The checkpoint folder of a run: one writer at a time, interrupted saves cleared, old checkpoints pruned.
