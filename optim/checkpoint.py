@@ -204,6 +204,8 @@ def verify(path: str) -> None:
             manifest = json.load(handle)
     except ValueError:
         raise RuntimeError(f"checkpoint {path} is corrupt: manifest.json is unreadable (truncated?)") from None
+    if not isinstance(manifest, dict) or not manifest:
+        raise RuntimeError(f"checkpoint {path} is corrupt: manifest.json lists no files")
     for relative, expected in manifest.items():
         file = os.path.join(path, relative)
         if not os.path.isfile(file):
@@ -240,8 +242,15 @@ def _resolve(load_dir: str, tag: str | None) -> str:
         latest = os.path.join(load_dir, "latest")
         if not os.path.isfile(latest):
             raise FileNotFoundError(f"no checkpoint to load: {latest} does not exist; pass tag= or save first")
-        with open(latest) as handle:
-            tag = handle.read().strip()
+        with open(latest, "rb") as handle:
+            raw = handle.read(4096)
+        try:
+            tag = raw.decode("utf-8").strip()
+        except UnicodeDecodeError:
+            tag = ""
+        if not tag or "/" in tag or tag.startswith("."):
+            raise RuntimeError(f"{latest} is corrupt: it should name a checkpoint folder, it holds {raw[:40]!r}; "
+                               "pass tag= to load a checkpoint by name")
     path = os.path.join(load_dir, str(tag))
     old = os.path.join(load_dir, f".{tag}.old")
     if not os.path.isdir(path) and os.path.isdir(old):

@@ -132,7 +132,13 @@ def engine_config(fragments: dict[str, dict], given: set[str], json_path: str) -
         config = merge(config, fragment)
     if json_path:
         with open(json_path) as handle:
-            config = merge(config, json.load(handle))
+            try:
+                loaded = json.load(handle)
+            except ValueError as error:
+                raise ValueError(f"--config {json_path} is not valid JSON: {error}") from None
+        if not isinstance(loaded, dict):
+            raise ValueError(f"--config {json_path} must hold a JSON object of engine settings")
+        config = merge(config, loaded)
         for name in given & fragments.keys():
             config = merge(config, fragments[name])
     return config

@@ -156,9 +156,16 @@ def load_text(path: str) -> bytes:
                     data = handle.read()
                 if data and b"\0" not in data[:4096]:  # skip binary files
                     chunks.append(data)
+        if not chunks:
+            raise ValueError(f"--data {path} holds no text file (empty, or only binary files)")
         return b"\n".join(chunks)
     with open(path, "rb") as handle:
-        return handle.read()
+        data = handle.read()
+    if not data:
+        raise ValueError(f"--data {path} is empty")
+    if b"\0" in data[:4096]:
+        raise ValueError(f"--data {path} is a binary file, not text")
+    return data
 
 
 def split_tokens(data: bytes, val_fraction: float, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -298,6 +305,11 @@ def checked_config(parser, argv: list[str] | None, world: int) -> tuple[TrainCon
     for name in ("steps", "batch_size", "seq_len", "eval_interval", "eval_batches", "log_interval", "n_layer"):
         if getattr(cfg, name) < 1:
             fail(parser, f"--{name.replace('_', '-')} must be at least 1, got {getattr(cfg, name)}")
+    for name in ("checkpoint_interval", "warmup_steps"):
+        if getattr(cfg, name) < 0:
+            fail(parser, f"--{name.replace('_', '-')} must be 0 or more, got {getattr(cfg, name)}")
+    if not (math.isfinite(cfg.lr) and cfg.lr > 0):
+        fail(parser, f"--lr must be a positive finite number, got {cfg.lr}")
     if not 0 < cfg.val_fraction < 1:
         fail(parser, f"--val-fraction must be between 0 and 1, got {cfg.val_fraction}")
     if cfg.config and not os.path.isfile(cfg.config):

@@ -165,6 +165,10 @@ def test_cifar_under_torchrun_with_expert_parallelism(tmp_path):
     (cifar, ["--moe", "--num-experts", "2", "--top-k", "3"], r"--top-k \(3\) must be between 1 and --num-experts \(2\)"),
     (cifar, ["--moe", "--ep-world-size", "2"], r"--ep-world-size \(2\) must divide the number of processes \(1\)"),
     (cifar, ["--dtype", "fp8"], r"argument --dtype: invalid choice: 'fp8'"),
+    (gpt, ["--checkpoint-interval", "-1"], r"--checkpoint-interval must be 0 or more, got -1"),
+    (gpt, ["--warmup-steps", "-5"], r"--warmup-steps must be 0 or more, got -5"),
+    (gpt, ["--lr", "inf"], r"--lr must be a positive finite number, got inf"),
+    (gpt, ["--resume", "sometimes"], r"argument --resume: invalid choice: 'sometimes'"),
 ])
 def test_a_wrong_flag_stops_with_one_line(recipe, argv, message, capsys):
     with pytest.raises(SystemExit) as stop:
@@ -296,3 +300,29 @@ def test_checkpoint_folder_guards(tmp_path, capsys):
     assert code == 2 and err.endswith(f"--checkpoint-dir {a_file} is a file, not a folder"), err
     code, err = _gpt_exit(GPT_TINY + ["--keep-last", "-1"], capsys)
     assert code == 2 and "--keep-last must be 0 (keep all) or more, got -1" in err, err
+
+
+def test_bad_data_and_config_files_stop_with_one_line(tmp_path, capsys):
+    empty, binary, folder, bad_json = tmp_path / "empty.txt", tmp_path / "blob.bin", tmp_path / "nothing", tmp_path / "e.json"
+    empty.write_bytes(b"")
+    binary.write_bytes(bytes(range(256)) * 8)
+    folder.mkdir()
+    bad_json.write_text("{not json")
+    for argv, message in [(["--data", str(empty)], f"--data {empty} is empty"),
+                          (["--data", str(binary)], f"--data {binary} is a binary file, not text"),
+                          (["--data", str(folder)], f"--data {folder} holds no text file"),
+                          (["--config", str(bad_json)], f"--config {bad_json} is not valid JSON")]:
+        code, err = _gpt_exit(GPT_TINY + argv + ["--steps", "1", "--log-dir", str(tmp_path)], capsys)
+        assert code == 2 and len(err.splitlines()) == 1 and message in err, err
+
+
+def test_a_corrupt_latest_or_manifest_is_named(tmp_path, capsys):
+    folder = tmp_path / "ckpt"
+    gpt.main(GPT_TINY + ["--steps", "1", "--log-dir", str(tmp_path), "--checkpoint-dir", str(folder)])
+    (folder / "latest").write_bytes(b"\xff\xfe\x00garbage")
+    code, err = _gpt_exit(["--resume", "--checkpoint-dir", str(folder)], capsys)
+    assert code == 2 and len(err.splitlines()) == 1 and "latest is corrupt: it should name a checkpoint folder" in err
+    (folder / "latest").write_text("global_step1")
+    (folder / "global_step1" / "manifest.json").write_text("[]")
+    code, err = _gpt_exit(["--resume", "--checkpoint-dir", str(folder)], capsys)
+    assert code == 2 and len(err.splitlines()) == 1 and "manifest.json lists no files" in err, err
