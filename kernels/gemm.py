@@ -232,8 +232,9 @@ def choices() -> dict[str, str]:
 
 
 def adopt(chosen: dict[str, str]) -> None:
-    """Use `chosen` (a `choices()` of another process, e.g. the one that wrote a checkpoint) from now
-    on, over this process's own choices for the same shape classes.
+    """Use `chosen` (a `choices()` of another process, e.g. the one that wrote a checkpoint) for every
+    shape class this process has not met yet; a choice already used here stays (invariant: two
+    identical runs in one process multiply alike).
 
     Raises:
         ValueError: `chosen` is not a mapping of shape-class strings to implementation names.
@@ -241,7 +242,8 @@ def adopt(chosen: dict[str, str]) -> None:
     if not isinstance(chosen, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in chosen.items()):
         raise ValueError(f"GEMM choices must map shape classes to implementation names, got {chosen!r}")
     _load()
-    _choices.update(chosen)
+    for key, value in chosen.items():
+        _choices.setdefault(key, value)
 
 
 def clear() -> None:

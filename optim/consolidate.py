@@ -70,7 +70,8 @@ def consolidate(path: str) -> dict[str, torch.Tensor]:
 
 
 def _read(reader, stored, keys: list[str]) -> list[torch.Tensor]:
-    targets = {key: torch.empty(tuple(stored[key].size), dtype=stored[key].properties.dtype) for key in keys}
+    targets = {key: torch.empty(tuple(stored[key].size), dtype=stored[key].properties.dtype, device="cpu")
+               for key in keys}
     with checkpoint._single_process_quiet():
         dcp.load(targets, storage_reader=reader, no_dist=True)
     return [targets[key] for key in keys]

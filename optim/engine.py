@@ -440,6 +440,7 @@ class Engine:
         where = (f"the loss was inf or nan on rank(s) {losses}" if losses else
                  f"the gradients hold inf or nan on rank(s) {[r for r, (_, grad) in enumerate(flags) if grad]}")
         self.zero_grad()
+        self._update_routers(skipped=True)  # the window's routing counts go with its gradients
         raise FloatingPointError(
             f"step {self.global_steps + 1}: {where} (diverged? lower the learning rate); the weights were not "
             f"changed; last checkpoint: {self.last_checkpoint or 'none'}. "

@@ -36,7 +36,7 @@ from optim import initialize
 from parallel import init_distributed
 from recipes.cli import (engine_config, fail, flag_parser, keep_last_field, parse_config, resume_field,
                          start_over_field)
-from recipes.training import (Progress, SetupError, all_sum, claim_checkpoint_dir, prune_checkpoints,
+from recipes.training import (Progress, SetupError, all_sum, claim_for_run, prune_checkpoints,
                               release_checkpoint_dir)
 
 CLASSES = ("plane", "car", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck")
@@ -331,10 +331,9 @@ def main(argv: list[str] | None = None) -> dict:
     cfg, given = checked_config(parser, argv, world)
     if rank == 0:
         print("config:", json.dumps(asdict(cfg)), f"processes={world}", flush=True)
-    claimed = rank == 0 and bool(cfg.checkpoint_dir)
+    claimed = False
     try:
-        if claimed:  # one writer per checkpoint folder
-            claim_checkpoint_dir(cfg.checkpoint_dir)
+        claimed = claim_for_run(cfg.checkpoint_dir, rank)  # one writer per checkpoint folder
         result = train(cfg, given, rank, world)
         if dist.is_initialized():
             dist.barrier()  # no rank tears its group down while a peer's last exchange is in flight

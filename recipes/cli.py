@@ -12,6 +12,8 @@ import json
 import os
 import sys
 
+import torch.distributed as dist
+
 from optim import read_client_state
 
 
@@ -80,7 +82,12 @@ def parse_config(parser: argparse.ArgumentParser, config_class, argv: list[str] 
     folder = cfg.checkpoint_dir
     if folder and os.path.exists(folder) and not os.path.isdir(folder):
         fail(parser, f"--checkpoint-dir {folder} is a file, not a folder")
-    earlier = bool(folder) and os.path.isfile(os.path.join(folder, "latest"))
+    earlier = [bool(folder) and os.path.isfile(os.path.join(folder, "latest"))]
+    if dist.is_initialized():  # rank 0's view decides, so every rank resumes or none does
+        dist.broadcast_object_list(earlier, src=0)
+    earlier = earlier[0]
+    if cfg.resume and cfg.start_over:
+        fail(parser, "--start-over and --resume cannot be combined: start over, or resume")
     if cfg.resume == "auto":  # a restarted run (torchrun --max-restarts) continues; a first run starts
         cfg.resume = "yes" if earlier else ""
     if not cfg.resume:

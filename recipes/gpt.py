@@ -37,7 +37,7 @@ from parallel import init_distributed
 from recipes.cli import (engine_config, fail, flag_parser, keep_last_field, parse_config, resume_field,
                          start_over_field)
 from recipes.gpt_model import GPT, GPTConfig
-from recipes.training import (Progress, SetupError, all_sum, claim_checkpoint_dir, prune_checkpoints,
+from recipes.training import (Progress, SetupError, all_sum, claim_for_run, prune_checkpoints,
                               release_checkpoint_dir)
 
 
@@ -334,10 +334,9 @@ def main(argv: list[str] | None = None) -> dict:
     # compiled, the packed and grouped layouts' one host read (rows per expert) becomes symbolic sizes,
     # so they compile whole instead of breaking the graph and recompiling as the counts change
     compiling = torch._dynamo.config.patch(capture_scalar_outputs=True) if cfg.compile else contextlib.nullcontext()
-    claimed = rank == 0 and bool(cfg.checkpoint_dir)
+    claimed = False
     try:
-        if claimed:  # one writer per checkpoint folder
-            claim_checkpoint_dir(cfg.checkpoint_dir)
+        claimed = claim_for_run(cfg.checkpoint_dir, rank)  # one writer per checkpoint folder
         with compiling:
             result = train(cfg, given, rank, world)
         if dist.is_initialized():

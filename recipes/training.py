@@ -89,6 +89,22 @@ def cpu_name() -> str:
 _LOCK = ".writer.lock"
 
 
+def claim_for_run(folder: str, rank: int) -> bool:
+    """Rank 0 claims `folder` (see claim_checkpoint_dir); every rank raises its SetupError if that failed.
+    Returns whether this process holds the lock."""
+    outcome = [None]
+    if rank == 0 and folder:
+        try:
+            claim_checkpoint_dir(folder)
+        except SetupError as error:
+            outcome = [str(error)]
+    if dist.is_initialized():
+        dist.broadcast_object_list(outcome, src=0)
+    if outcome[0] is not None:
+        raise SetupError(outcome[0])
+    return rank == 0 and bool(folder)
+
+
 def claim_checkpoint_dir(folder: str) -> None:
     """Make this process the folder's one writer (rank 0 calls it before training), or raise SetupError.
 
@@ -105,7 +121,7 @@ def claim_checkpoint_dir(folder: str) -> None:
             with open(path) as existing:
                 holder = existing.read().strip()
             host, _, pid = holder.partition(" ")
-            if host == socket.gethostname() and pid.isdigit() and not _alive(int(pid)):
+            if host == socket.gethostname() and pid.isdigit() and (int(pid) == os.getpid() or not _alive(int(pid))):
                 os.remove(path)  # its writer is gone
                 continue
             raise SetupError(f"--checkpoint-dir {folder} is being written by another run (host {host}, process "
@@ -124,7 +140,7 @@ def release_checkpoint_dir(folder: str) -> None:
     """Remove this process's lock (at the end of a run)."""
     try:
         with open(os.path.join(folder, _LOCK)) as existing:
-            mine = existing.read().strip().endswith(f" {os.getpid()}")
+            mine = existing.read().strip() == f"{socket.gethostname()} {os.getpid()}"
         if mine:
             os.remove(os.path.join(folder, _LOCK))
     except OSError:
@@ -132,14 +148,16 @@ def release_checkpoint_dir(folder: str) -> None:
 
 
 def prune_checkpoints(folder: str, keep_last: int) -> list[str]:
-    """Delete all but the newest `keep_last` checkpoints (by global step; never the one `latest` names); returns
-    the deleted tags."""
+    """Delete all but the newest `keep_last` checkpoints up to the one `latest` names (by global step; those of
+    an earlier run past it, after --start-over, are left alone); returns the deleted tags."""
     if keep_last < 1:
         return []
     with open(os.path.join(folder, "latest")) as handle:
         latest = handle.read().strip()
+    last = re.fullmatch(r"global_step(\d+)", latest)
     steps = sorted((int(m[1]), name) for name in os.listdir(folder)
-                   if (m := re.fullmatch(r"global_step(\d+)", name)) and os.path.isdir(os.path.join(folder, name)))
+                   if (m := re.fullmatch(r"global_step(\d+)", name)) and os.path.isdir(os.path.join(folder, name))
+                   and (last is None or int(m[1]) <= int(last[1])))
     doomed = [name for _, name in steps[:-keep_last] if name != latest]
     for name in doomed:
         shutil.rmtree(os.path.join(folder, name), ignore_errors=True)

@@ -291,8 +291,13 @@ def test_checkpoint_folder_guards(tmp_path, capsys):
     code, err = _gpt_exit(base + ["--resume"], capsys)
     assert code == 2 and "is being written by another run" in err and str(os.getppid()) in err, err
     (folder / ".writer.lock").write_text(f"{socket.gethostname()} 999999999")  # a writer that is gone
-    gpt.main(base + ["--start-over", "--steps", "1"])
-    assert (folder / "latest").read_text() == "global_step1"
+    gpt.main(base + ["--start-over", "--steps", "2", "--checkpoint-interval", "1", "--keep-last", "1"])
+    assert (folder / "latest").read_text() == "global_step2"
+    # pruned: this run's older checkpoint; the earlier run's later ones are not this run's to count
+    assert sorted(p.name for p in folder.iterdir() if p.name.startswith("global_step")) == \
+        ["global_step2", "global_step5", "global_step6"]
+    code, err = _gpt_exit(base + ["--start-over", "--resume", "auto"], capsys)
+    assert code == 2 and "--start-over and --resume cannot be combined" in err, err
 
     a_file = tmp_path / "a_file"
     a_file.write_text("")
