@@ -1,12 +1,17 @@
-"""Checkpoints that reshard: a layout-free view written with torch.distributed.checkpoint.
+"""Checkpoints that reshard: the one-process model's entries, each rank writing and reading only its share.
 
-What is stored is the one-process view, not this layout's shards: `model/<name>` holds each full
-parameter (the fp32 master when there is one) and `optim/<name>/<state>` each optimizer state, with
-stacked expert parameters cut per global expert (`<name>#expert<g>`) and per-expert modules under
-their global index. Each entry is written once, by its owner (rank 0 for dense parameters, expert-
-data-parallel rank 0 for experts), so every rank writes its share in parallel. Any (world size,
-ep size, ZeRO stage) reads the entries it needs and cuts its own shards. Counters, scaler, scheduler,
-param-group settings, client state and every rank's RNG states go to `meta.pt`.
+What is stored is the one-process view, not this layout's shards: `model/<name>` is each parameter
+(the fp32 master when there is one) and `optim/<name>/<state>` each optimizer state, with stacked
+expert parameters cut per global expert (`<name>#expert<g>`) and per-expert modules under their global
+index. Each rank writes, through torch.distributed.checkpoint, the boxes of those entries that its
+shard holds (a flat ZeRO-1/2 slice covers a run of a parameter's elements, cut into rectangular boxes;
+a fully_shard shard is one box), straight from its own storage; values replicated over a group are
+written by the group's first rank. Loading asks DCP for the boxes this layout's shard needs, read
+straight into the master weights and optimizer states, so any (world size, ep size, ZeRO stage) loads
+any checkpoint, and neither side builds a full parameter: the memory beyond the model's own is DCP's
+copy of one box (one parameter at most). Counters, scaler, scheduler, param-group settings, client
+state and every rank's RNG states go to `meta.pt`. Checkpoints written before the sharded layout
+(one full chunk per entry) load the same way.
 
 Atomicity: everything is written into `.<tag>.partial` and synced to disk; rank 0 then records every
 file's size and CRC-32 in `manifest.json`, renames the folder to `<tag>` (syncing the directory) and
@@ -27,6 +32,10 @@ import zlib
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from kernels import gemm
 
@@ -66,6 +75,102 @@ def _is_sharded(unit, value: torch.Tensor) -> bool:
     return value.dim() >= 1 and value.shape == unit.master.shape
 
 
+def _unit_boxes(unit, local: torch.Tensor) -> list[tuple[str, tuple[int, ...], tuple[int, ...], torch.Tensor]]:
+    """(entry key, entry size, offsets in the entry, view of `local`) for what `local` holds of each
+    parameter; a stacked expert parameter's boxes are cut per global expert."""
+    out = []
+    for info, offsets, view in unit.boxes(local):
+        shape = tuple(info.param.shape)
+        if info.expert and info.axis is not None:
+            axis, keys = info.axis, info.keys()
+            size, rest = shape[:axis] + shape[axis + 1:], offsets[:axis] + offsets[axis + 1:]
+            out += [(keys[offsets[axis] + i], size, rest, view.select(axis, i)) for i in range(view.shape[axis])]
+        else:
+            out.append((info.global_name, shape, offsets, view))
+    return out
+
+
+Boxes = dict[str, tuple[tuple[int, ...], dict[tuple[int, ...], torch.Tensor]]]  # key -> (size, {offsets: view})
+
+
+def _add(boxes: Boxes, key: str, size: tuple[int, ...], offsets: tuple[int, ...], view: torch.Tensor) -> None:
+    if view.numel() or not size:
+        boxes.setdefault(key, (tuple(size), {}))[1][tuple(offsets)] = view
+
+
+def _boxes_to_write(engine) -> Boxes:
+    """This rank's share of every entry: its slices of the masters and optimizer states, its units'
+    scalar states and (rank 0) the module's buffers, as views of the live tensors."""
+    boxes: Boxes = {}
+    for unit in engine.units:
+        if unit.counts_once():  # stage 0 replicates a group's slice: its first rank writes it
+            for key, size, offsets, view in _unit_boxes(unit, unit.master):
+                _add(boxes, f"model/{key}", size, offsets, view)
+        for name, value in _sharded_states(engine, unit).items():
+            if _is_sharded(unit, value):
+                if unit.counts_once():
+                    for key, size, offsets, view in _unit_boxes(unit, value):
+                        _add(boxes, f"optim/{key}/{name}", size, offsets, view)
+            elif _owner(engine, unit):  # a step counter: the same value under every parameter's key
+                for info in unit.infos:
+                    for key in info.keys():
+                        _add(boxes, f"optim/{key}/{name}", tuple(value.shape), (0,) * value.dim(), value)
+    if engine.rank == 0:
+        for name, buffer in _buffers(engine).items():
+            _add(boxes, f"buffer/{name}", tuple(buffer.shape), (0,) * buffer.dim(), buffer.detach())
+    return boxes
+
+
+def _buffers(engine) -> dict[str, torch.Tensor]:
+    parameters = {name for name, _ in engine.module.named_parameters()}
+    return {name: value for name, value in engine.module.state_dict().items() if name not in parameters}
+
+
+class _BoxSavePlanner(DefaultSavePlanner):
+    """Plans one DCP write item per box a rank holds (the state dict handed to dcp.save is a Boxes)."""
+
+    def __init__(self):
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+
+    def create_local_plan(self) -> SavePlan:
+        items = []
+        for key, (size, views) in self.state_dict.items():
+            for offsets, view in views.items():
+                chunk = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=view.shape)
+                data = TensorWriteData(chunk=chunk, properties=TensorProperties.create_from_tensor(view),
+                                       size=torch.Size(size))
+                items.append(WriteItem(index=MetadataIndex(key, offsets), type=WriteItemType.SHARD, tensor_data=data))
+        self.plan = SavePlan(items)
+        return self.plan
+
+    def lookup_object(self, index: MetadataIndex) -> torch.Tensor:
+        return self.state_dict[index.fqn][1][tuple(index.offset)]
+
+
+class _BoxLoadPlanner(DefaultLoadPlanner):
+    """Reads, for each box a rank needs, the overlapping parts of whatever chunks the checkpoint holds,
+    straight into the box's view."""
+
+    def __init__(self):
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+
+    def set_up_planner(self, state_dict, metadata=None, is_coordinator: bool = False) -> None:
+        self.state_dict, self.metadata, self.is_coordinator = state_dict, metadata, is_coordinator
+
+    def create_local_plan(self) -> LoadPlan:
+        requests = []
+        for key, (_, views) in self.state_dict.items():
+            chunks = [ChunkStorageMetadata(offsets=torch.Size(o), sizes=v.shape) for o, v in views.items()]
+            requests += create_read_items_for_chunk_list(key, self.metadata.state_dict_metadata[key], chunks)
+        return LoadPlan(requests)
+
+    def resolve_tensor(self, read_item):
+        view = self.state_dict[read_item.dest_index.fqn][1][tuple(read_item.dest_index.offset)]
+        for dim, (start, length) in enumerate(zip(read_item.dest_offsets, read_item.lengths)):
+            view = view.narrow(dim, start, length)
+        return view
+
+
 def _global_view(engine, with_optimizer: bool = True) -> dict[str, torch.Tensor]:
     """The entries this rank owns, as full per-parameter tensors (collective over each unit's group)."""
     out = {}
@@ -86,10 +191,8 @@ def _global_view(engine, with_optimizer: bool = True) -> dict[str, torch.Tensor]
                     for key, piece in zip(info.keys(), split):
                         out[f"optim/{key}/{name}"] = piece.detach().cpu().contiguous()
     if engine.rank == 0:
-        parameters = {name for name, _ in engine.module.named_parameters()}
-        for name, buffer in engine.module.state_dict().items():
-            if name not in parameters:
-                out[f"buffer/{name}"] = buffer.detach().cpu().contiguous()
+        for name, buffer in _buffers(engine).items():
+            out[f"buffer/{name}"] = buffer.detach().cpu().contiguous()
     return out
 
 
@@ -153,7 +256,8 @@ def save(engine, save_dir: str, tag: str | None, client_state: dict, save_latest
         os.makedirs(partial)
     _barrier()
     with _single_process_quiet():
-        dcp.save(_global_view(engine), storage_writer=dcp.FileSystemWriter(partial), no_dist=not _distributed())
+        dcp.save(_boxes_to_write(engine), storage_writer=dcp.FileSystemWriter(partial), planner=_BoxSavePlanner(),
+                 no_dist=not _distributed())
     rng, products = [None] * engine.world_size, [None] * engine.world_size
     if _distributed():
         dist.all_gather_object(rng, _rng_state())
@@ -294,11 +398,8 @@ def _model_mismatch(engine, stored, path: str) -> str | None:
     mine = {}
     for unit in engine.units:
         for info in unit.infos:
-            shape = list(info.param.shape)
-            if info.expert and info.axis is not None:
-                del shape[info.axis]
             for key in info.keys():
-                mine[f"model/{key}"] = shape
+                mine[f"model/{key}"] = list(_entry_shape(info))
     parts = [mine]
     if _distributed():
         parts = [None] * engine.world_size
@@ -323,22 +424,65 @@ def _model_mismatch(engine, stored, path: str) -> str | None:
     return None
 
 
-def _targets(engine, metadata, with_optimizer: bool) -> dict[str, torch.Tensor]:
-    """Empty tensors for every entry this rank needs, shaped and typed as saved."""
-    stored = metadata.state_dict_metadata
-    wanted = []
-    for unit in engine.units:
-        for info in unit.infos:
-            for key in info.keys():
-                wanted.append(f"model/{key}")
-                if with_optimizer:
-                    wanted += [k for k in stored if k.startswith(f"optim/{key}/")]
-    wanted += [k for k in stored if k.startswith("buffer/")]
-    targets = {}
-    for key in wanted:
-        entry = stored[key]
-        targets[key] = torch.empty(tuple(entry.size), dtype=entry.properties.dtype)
-    return targets
+def _entry_shape(info) -> tuple[int, ...]:
+    """The shape of each of a parameter's checkpoint entries (one expert's, for stacked experts)."""
+    shape = list(info.param.shape)
+    if info.expert and info.axis is not None:
+        del shape[info.axis]
+    return tuple(shape)
+
+
+def _boxes_to_read(engine, stored, with_optimizer: bool) -> tuple[Boxes, dict]:
+    """The boxes this rank's shard needs, as views of where they go: the masters, the optimizer states
+    (kept tensors where they fit, else new shard-sized ones) and the module's buffers. Also returns the
+    optimizer state each unit will have, by unit index."""
+    boxes: Boxes = {}
+    states = {}
+    for index, unit in enumerate(engine.units):
+        for key, size, offsets, view in _unit_boxes(unit, unit.master):
+            _add(boxes, f"model/{key}", size, offsets, view)
+        if with_optimizer:
+            states[index] = _state_to_read(engine, unit, stored, boxes)
+    for name, buffer in _buffers(engine).items():
+        entry = stored.get(f"buffer/{name}")
+        if entry is None:
+            continue
+        if tuple(entry.size) != tuple(buffer.shape):
+            raise RuntimeError(f"checkpoint holds buffer {name} with shape {list(entry.size)}, this model's is "
+                               f"{list(buffer.shape)}: it was saved from a different model")
+        _add(boxes, f"buffer/{name}", tuple(buffer.shape), (0,) * buffer.dim(), buffer)
+    return boxes, states
+
+
+def _state_to_read(engine, unit, stored, boxes: Boxes) -> dict[str, torch.Tensor]:
+    """The tensors a unit's optimizer state is read into: per-element states shaped like the unit's
+    shard (this rank's boxes of them added to `boxes`), step counters as saved."""
+    # a parameter with at least one dimension tells per-element states (its shape) from counters (0-d)
+    info = next((i for i in unit.infos if i.param.dim() >= 1), unit.infos[0])
+    prefix = f"optim/{info.keys()[0]}/"
+    held = engine.optimizer.state.get(unit.proxy, {})
+    group = next(g for g in engine.optimizer.param_groups if any(p is unit.proxy for p in g["params"]))
+    on_device = bool(group.get("fused") or group.get("capturable"))  # these keep their counters beside the weights
+    state = {}
+    for key in stored:
+        if not key.startswith(prefix):
+            continue
+        name, entry = key[len(prefix):], stored[key]
+        if len(entry.size) >= 1 and tuple(entry.size) == _entry_shape(info):
+            value = held.get(name)
+            if not (isinstance(value, torch.Tensor) and value.shape == unit.master.shape
+                    and value.dtype == engine.state_dtype and value.device == unit.master.device):
+                value = torch.zeros(unit.master.shape, dtype=engine.state_dtype, device=unit.master.device)
+            for entry_key, size, offsets, view in _unit_boxes(unit, value):
+                _add(boxes, f"optim/{entry_key}/{name}", size, offsets, view)
+        elif on_device:
+            value = torch.empty(tuple(entry.size), dtype=torch.float32, device=unit.master.device)
+            _add(boxes, key, tuple(entry.size), (0,) * len(entry.size), value)
+        else:
+            value = torch.empty(tuple(entry.size), dtype=entry.properties.dtype)
+            _add(boxes, key, tuple(entry.size), (0,) * len(entry.size), value)
+        state[name] = value
+    return state
 
 
 def load(engine, load_dir: str, tag: str | None, load_optimizer_states: bool = True,
@@ -353,19 +497,13 @@ def load(engine, load_dir: str, tag: str | None, load_optimizer_states: bool = T
     mismatch = _model_mismatch(engine, metadata.state_dict_metadata, path)
     if mismatch is not None:  # every rank raises it, before anything is read or overwritten
         raise RuntimeError(mismatch)
-    targets = _targets(engine, metadata, load_optimizer_states)
+    boxes, states = _boxes_to_read(engine, metadata.state_dict_metadata, load_optimizer_states)
     with _single_process_quiet():
-        dcp.load(targets, storage_reader=reader, no_dist=not _distributed())
-    for unit in engine.units:
-        fulls = [info.join([targets[f"model/{k}"] for k in info.keys()]) for info in unit.infos]
-        unit.load_master([f.to(unit.master.dtype) for f in fulls])
-        if load_optimizer_states:
-            _load_unit_state(engine, unit, targets)
-    module_state = engine.module.state_dict()
-    with torch.no_grad():
-        for key, value in targets.items():
-            if key.startswith("buffer/") and key[7:] in module_state:
-                module_state[key[7:]].copy_(value)
+        dcp.load(boxes, storage_reader=reader, planner=_BoxLoadPlanner(), no_dist=not _distributed())
+    for index, unit in enumerate(engine.units):
+        unit.write_back()  # the model's copy of the master just read (all-gathered in stages 1-2)
+        if load_optimizer_states and states[index]:
+            engine.optimizer.state[unit.proxy] = states[index]
     engine.global_steps, engine.micro_steps = meta["global_steps"], meta["micro_steps"]
     engine.skipped_steps = meta["skipped_steps"]
     if engine.scaler is not None and meta["scaler"] is not None:
@@ -383,27 +521,6 @@ def load(engine, load_dir: str, tag: str | None, load_optimizer_states: bool = T
         torch.cuda.set_rng_state(rng["cuda"])
     engine.zero_grad()
     return path, meta["client_state"]
-
-
-def _load_unit_state(engine, unit, targets: dict) -> None:
-    """Rebuild the optimizer state of one unit from the full per-parameter states."""
-    first = unit.infos[0].keys()[0]
-    names = [k[len(f"optim/{first}/"):] for k in targets if k.startswith(f"optim/{first}/")]
-    state = {}
-    group = next(g for g in engine.optimizer.param_groups if any(p is unit.proxy for p in g["params"]))
-    on_device = bool(group.get("fused") or group.get("capturable"))
-    for name in names:
-        sample = targets[f"optim/{first}/{name}"]
-        per_param = [info.join([targets[f"optim/{k}/{name}"] for k in info.keys()]) for info in unit.infos]
-        if per_param[0].shape == unit.infos[0].param.shape and per_param[0].dim() >= 1:
-            value = unit.slice_of(per_param).to(unit.master.device, engine.state_dtype).clone()
-        elif on_device:  # fused and capturable optimizers keep their step counter beside the parameters
-            value = sample.to(unit.master.device, torch.float32, copy=True)
-        else:
-            value = sample.clone()
-        state[name] = value
-    if state:
-        engine.optimizer.state[unit.proxy] = state
 
 
 def consolidated_state_dict(engine) -> dict | None:

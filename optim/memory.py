@@ -39,11 +39,14 @@ class LiveBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        inputs = {t.untyped_storage()._cdata for t in tree_leaves((args, kwargs))
+                  if isinstance(t, torch.Tensor) and not hasattr(t, "to_local")}
         for tensor in tree_leaves(out):
             if isinstance(tensor, torch.Tensor) and not hasattr(tensor, "to_local"):
                 storage = tensor.untyped_storage()
                 key = storage._cdata
-                if key not in self._seen:  # a new storage (views and in-place results share theirs)
+                # a new storage: views and in-place results share an input's (possibly made before the mode)
+                if key not in self._seen and key not in inputs:
                     self._seen.add(key)
                     self.live += storage.nbytes()
                     self.peak = max(self.peak, self.live)

@@ -28,7 +28,7 @@ from torch import nn
 from optim.buckets import FlatShard
 from parallel import data_before_expert, expert_ids, is_moe_param
 
-__all__ = ["FlatGroup", "ParamInfo", "ShardedParam", "describe_parameters", "shard_placement"]
+__all__ = ["FlatGroup", "ParamInfo", "ShardedParam", "describe_parameters", "row_major_boxes", "shard_placement"]
 
 
 @dataclass
@@ -221,7 +221,7 @@ class FlatGroup:
             for info in self.infos:
                 info.param.grad = None
 
-    # Checkpoints: per-parameter full tensors from this group's slices, and back.
+    # Checkpoints: each parameter's part in this rank's slice, and the full tensors (consolidation).
 
     def gather(self, piece: torch.Tensor) -> list[torch.Tensor]:
         """Full per-parameter tensors from this rank's slice of a flat tensor (collective in stages 1-2)."""
@@ -232,20 +232,22 @@ class FlatGroup:
             full = piece
         return [full[o : o + n].view_as(i.param) for i, o, n in zip(self.infos, self.offsets, self.numels)]
 
-    def slice_of(self, fulls: list[torch.Tensor]) -> torch.Tensor:
-        """This rank's slice of the flat concatenation of per-parameter full tensors."""
-        flat = torch.cat([f.reshape(-1) for f in fulls])
-        flat = torch.nn.functional.pad(flat, (0, self.shard * (self.group_size if self.stage >= 1 else 1) - self.total))
-        return flat[self.lo : self.lo + self.shard]
+    def boxes(self, local: torch.Tensor) -> list[tuple[ParamInfo, tuple[int, ...], torch.Tensor]]:
+        """What `local` (this rank's slice of a flat tensor: the master or an optimizer state shaped like
+        it) holds of each parameter: (info, offsets in the parameter, a view of `local`) per box.
 
-    def load_master(self, fulls: list[torch.Tensor]) -> None:
-        own = self.slice_of(fulls)
-        with torch.no_grad():
-            if self.separate:
-                self.master.copy_(own)
-            self.flat[self.lo : self.lo + self.shard].copy_(own)
-            if self.stage >= 1 and self.group is not None:
-                dist.all_gather_single(self.flat, self.flat[self.lo : self.lo + self.shard].clone(), group=self.group)
+        A slice of the flat buffer covers a run of each parameter's elements in row-major order; the run
+        is cut into at most 2 * dims - 1 rectangular boxes, each a contiguous piece of `local`.
+        """
+        out = []
+        for info, offset, numel in zip(self.infos, self.offsets, self.numels):
+            start, stop = max(offset, self.lo), min(offset + numel, self.lo + self.shard)
+            at = start - self.lo
+            for offsets, sizes in row_major_boxes(tuple(info.param.shape), start - offset, stop - offset):
+                count = math.prod(sizes)
+                out.append((info, offsets, local[at : at + count].view(sizes)))
+                at += count
+        return out
 
     def tensors(self) -> dict[str, list[torch.Tensor]]:
         """Bytes held, by kind, for the memory report."""
@@ -338,19 +340,45 @@ class ShardedParam:
         dist.all_gather_single(full, padded, group=self.group)
         return [full[: self.rows].movedim(0, self.dim).contiguous()]
 
-    def slice_of(self, fulls: list[torch.Tensor]) -> torch.Tensor:
-        if not self.infos[0].param.shape:
-            return fulls[0]
-        length = self.master.shape[self.dim]
-        return fulls[0].narrow(self.dim, self.start, length)
-
-    def load_master(self, fulls: list[torch.Tensor]) -> None:
-        with torch.no_grad():
-            self.master.copy_(self.slice_of(fulls))
+    def boxes(self, local: torch.Tensor) -> list[tuple[ParamInfo, tuple[int, ...], torch.Tensor]]:
+        """What `local` (the local shard, or an optimizer state shaped like it) holds: one box."""
+        shape = self.infos[0].param.shape
+        if not shape:
+            return [(self.infos[0], (), local)]
+        if local.numel() == 0:
+            return []
+        offsets = [0] * len(shape)
+        offsets[self.dim] = self.start
+        return [(self.infos[0], tuple(offsets), local)]
 
     def tensors(self) -> dict[str, list[torch.Tensor]]:
         grad = self.infos[0].param.grad
         return {"parameters": [self.master], "gradients": [grad.to_local()] if grad is not None else [], "master": []}
+
+
+def row_major_boxes(shape: tuple[int, ...], start: int, stop: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """Rectangular boxes (offsets, sizes), in order, covering elements [start, stop) of a row-major tensor.
+
+    Each box is contiguous in memory: leading sizes 1, one partial dimension, full trailing dimensions.
+    """
+    if stop <= start:
+        return []
+    if not shape:
+        return [((), ())]
+    inner = math.prod(shape[1:])
+    rest = (0,) * (len(shape) - 1)
+    boxes = []
+    row = start // inner
+    if start % inner:  # the first row, begun in the middle
+        end = min(stop, (row + 1) * inner)
+        boxes += [((row,) + o, (1,) + z) for o, z in row_major_boxes(shape[1:], start % inner, end - row * inner)]
+        row += 1
+    whole = stop // inner
+    if whole > row:
+        boxes.append(((row,) + rest, (whole - row,) + tuple(shape[1:])))
+    if stop % inner and whole >= row:  # the last row, ended in the middle
+        boxes += [((whole,) + o, (1,) + z) for o, z in row_major_boxes(shape[1:], 0, stop % inner)]
+    return boxes
 
 
 def _cumsum(values):

@@ -122,3 +122,17 @@ def _check_gradient_memory(rank, world):
 
 def test_stage2_gradient_memory_is_a_shard_plus_two_buckets():
     run_distributed(_check_gradient_memory, 2, timeout_s=120)
+
+
+def test_live_bytes_counts_new_storages_not_views_of_older_ones():
+    older = torch.zeros(1000)
+    tracker = LiveBytes()
+    with tracker:
+        older[10:500].view(10, 49).t()  # views of a storage made before: nothing new
+        older.add_(1)  # in place: nothing new
+        fresh = older[:250].clone()  # 1000 bytes
+        kept = fresh * 3  # 1000 bytes, kept
+        fresh.mul(2)  # a temporary: 1000 bytes, freed at once
+    assert tracker.live == 2000 and tracker.peak == 3000, (tracker.live, tracker.peak)
+    del kept, fresh
+    assert tracker.live == 0
