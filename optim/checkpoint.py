@@ -144,7 +144,25 @@ class _BoxSavePlanner(DefaultSavePlanner):
         return self.plan
 
     def lookup_object(self, index: MetadataIndex) -> torch.Tensor:
-        return self.state_dict[index.fqn][1][tuple(index.offset)]
+        return _compact(self.state_dict[index.fqn][1][tuple(index.offset)])
+
+
+_SAME_SIZE_INTEGER = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _compact(view: torch.Tensor) -> torch.Tensor:
+    """A contiguous host view as a tensor whose storage is exactly its bytes, sharing its memory.
+
+    DCP's file writer copies every tensor whose storage is larger than itself (a box of a flat ZeRO
+    buffer) and holds each copy until the file is written, which would add up to this rank's whole
+    share; through numpy the box gets a storage of its own size and nothing is copied.
+    """
+    if view.device.type != "cpu" or not view.is_contiguous() or view.untyped_storage().nbytes() == view.nbytes:
+        return view
+    bits = _SAME_SIZE_INTEGER.get(view.element_size())
+    if bits is None:
+        return view
+    return torch.from_numpy(view.detach().view(bits).numpy()).view(view.dtype)
 
 
 class _BoxLoadPlanner(DefaultLoadPlanner):
@@ -336,7 +354,7 @@ def read_client_state(load_dir: str, tag: str | None = None) -> dict:
 def _manifest_entry(path: str) -> dict:
     crc = 0
     with open(path, "rb") as handle:
-        while chunk := handle.read(1 << 22):
+        while chunk := handle.read(1 << 20):
             crc = zlib.crc32(chunk, crc)
     return {"bytes": os.path.getsize(path), "crc32": crc}
 

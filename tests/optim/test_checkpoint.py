@@ -265,12 +265,13 @@ def _sharded_save(rank, world, folder, stage):
     with tracker:
         engine.save_checkpoint(folder, tag="sharded")
     largest = max(p.numel() * p.element_size() for p in Net(dense_width=512).parameters())
-    # DCP copies one box at a time out of the flat buffer; its plans take a few kB per rank
-    assert tracker.peak <= largest + 64 * 1024, f"rank {rank}: {tracker.peak} bytes during save (a parameter: {largest})"
+    # nothing is copied out of the flat buffer (DCP would keep every copy until the file is written: the
+    # whole share, ~60 kB here); DCP's own plans take ~25 kB per rank
+    assert tracker.peak <= largest + 32 * 1024, f"rank {rank}: {tracker.peak} bytes during save (a parameter: {largest})"
     tracker = LiveBytes()
     with tracker:
         engine.load_checkpoint(folder, tag="sharded")
-    assert tracker.peak <= largest + 64 * 1024, f"rank {rank}: {tracker.peak} bytes during load"
+    assert tracker.peak <= largest + 32 * 1024, f"rank {rank}: {tracker.peak} bytes during load"
     if rank == 0:
         import torch.distributed.checkpoint as dcp
 
