@@ -332,7 +332,7 @@ class Engine:
         context = torch.autocast(self.device.type, dtype=autocast) if autocast is not None else contextlib.nullcontext()
         with context:
             output = self.module(*args, **kwargs)
-        if self._fully_shard and not torch.is_grad_enabled():
+        if self._fully_shard and not (torch.is_grad_enabled() and self.module.training):
             self._reshard()
         if self._stats is not None and self.module.training and torch.is_grad_enabled():
             self._stats.collect()
@@ -343,10 +343,12 @@ class Engine:
         return output
 
     def _reshard(self) -> None:
-        """Shard the parameters again after a forward that no backward follows (an evaluation pass).
+        """Shard the parameters again after a forward that no backward follows (an evaluation pass, with
+        or without grad mode), and before a checkpoint's collectives.
 
         fully_shard leaves the root module's parameters gathered after its forward, for the backward;
-        without one, a checkpoint written next sent the ranks' collectives out of step (a hang).
+        without one, a checkpoint written next sent the ranks' collectives out of step (a hang). A
+        backward that does follow an evaluation forward gathers them again.
         """
         from torch.distributed.fsdp import FSDPModule
 
@@ -388,6 +390,7 @@ class Engine:
 
     def _optimizer_step(self) -> None:
         for unit in self.units:
+            unit.refresh(self.module)
             unit.reduce()
         grads = [unit.grad() for unit in self.units]
         watch = self.scaler is not None or self.config.nonfinite != "off"
@@ -588,6 +591,7 @@ class Engine:
         Returns:
             the checkpoint's directory.
         """
+        self._settle()
         self.last_checkpoint = checkpoint.save(self, save_dir, tag, client_state or {}, save_latest)
         return self.last_checkpoint
 
@@ -598,13 +602,22 @@ class Engine:
         Returns:
             (path, client_state).
         """
+        self._settle()
         path, client_state = checkpoint.load(self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states)
         self.last_checkpoint = path
         return path, client_state
 
     def consolidated_state_dict(self) -> dict | None:
         """The full model state_dict, as a one-process model with every expert names it, on rank 0 (collective)."""
+        self._settle()
         return checkpoint.consolidated_state_dict(self)
+
+    def _settle(self) -> None:
+        """Before collectives outside a training step: parameters sharded, units on the live storage."""
+        if self._fully_shard:
+            self._reshard()
+        for unit in self.units:
+            unit.refresh(self.module)
 
 
 def read_flag(flag: torch.Tensor) -> bool:

@@ -172,6 +172,9 @@ class FlatGroup:
                          grads, self.group, self.group_size, self.group_rank, wire, all_reduce=self.stage <= 1,
                          grads_are_views=self.stage <= 1 and not self.accumulate)
 
+    def refresh(self, module: nn.Module) -> None:
+        """Nothing to follow: the parameters are views of this group's flat buffer."""
+
     def micro_step(self) -> None:
         """After each backward: stages 0/1 with a wider gradient buffer add the gradients into it (stage 2's
         gradients are already in its shard: the engine's buckets finish first)."""
@@ -304,6 +307,20 @@ class ShardedParam:
         self.start = min(self.group_rank * self.chunk, self.rows)
         with torch.no_grad():  # a persistent sharded gradient, accumulated into by FSDP's reduce-scatter
             param.grad = torch.zeros_like(param)
+
+    def refresh(self, module: nn.Module) -> None:
+        """Follow the parameter when its storage was replaced (`load_state_dict(assign=True)`, `_apply`):
+        the optimizer then steps on the live shard, with the state it had."""
+        param = module.get_parameter(self.infos[0].name)
+        local = param.detach().to_local()
+        if param is self.infos[0].param and local.data_ptr() == self.master.data_ptr() and local.shape == self.master.shape:
+            return
+        self.infos[0].param, self.master = param, local
+        if not self.swapped:
+            self.proxy.data = local
+        if param.grad is None:
+            with torch.no_grad():
+                param.grad = torch.zeros_like(param)
 
     def micro_step(self) -> None:
         pass

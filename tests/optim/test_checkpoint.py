@@ -165,11 +165,11 @@ def test_loss_backward_and_output_backward_equal_engine_backward():
         torch.testing.assert_close(results[2][name], value, rtol=1e-3, atol=1e-4, msg=lambda m: f"{name}: {m}")
 
 
-def _evaluate_then_save(rank, world, folder):
+def _evaluate_then_save(rank, world, folder, grad_mode):
     engine = _engine(2, 3)
     engine_steps(engine, 1, rank, ACCUMULATION)
     engine.eval()
-    with torch.no_grad():  # a validation pass leaves no backward to reshard the model
+    with torch.set_grad_enabled(grad_mode):  # a validation pass leaves no backward to reshard the model
         engine(batch(9, 0, rank)[0])
     engine.train()
     engine.save_checkpoint(folder, tag="after_eval")
@@ -179,10 +179,36 @@ def _evaluate_then_save(rank, world, folder):
         assert all(torch.isfinite(v).all() for v in state.values())
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_stage3_saves_after_an_evaluation_pass(tmp_path, world):
-    run_distributed(_evaluate_then_save, world, str(tmp_path), timeout_s=90)
+@pytest.mark.parametrize("world, grad_mode", [(2, False), (4, False), (2, True)])
+def test_stage3_saves_after_an_evaluation_pass(tmp_path, world, grad_mode):
+    run_distributed(_evaluate_then_save, world, str(tmp_path), grad_mode, timeout_s=90)
     assert os.path.isdir(tmp_path / "after_eval")
+
+
+def _replace_then_train(rank, world, folder, how):
+    engine = _engine(2, 3)
+    engine_steps(engine, 1, rank, ACCUMULATION)
+    if how == "assign":  # new storage for every parameter, the same values
+        state = {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
+        engine.module.load_state_dict(state, assign=True)
+    elif how == "apply":
+        engine.module.double().float()
+    engine_steps(engine, 2, rank, ACCUMULATION, first_step=1)
+    state = engine.consolidated_state_dict()
+    if rank == 0:
+        torch.save(state, os.path.join(folder, f"{how}.pt"))
+
+
+def test_stage3_optimizer_follows_parameters_whose_storage_was_replaced(tmp_path):
+    """The optimizer steps on fully_shard's local shards: after load_state_dict(assign=True) or a dtype
+    round trip gave them new storage, training goes on exactly as without it."""
+    for how in ("none", "assign", "apply"):
+        run_distributed(_replace_then_train, 2, str(tmp_path), how, timeout_s=120)
+    straight = torch.load(tmp_path / "none.pt", weights_only=True)
+    for how in ("assign", "apply"):
+        replaced = torch.load(tmp_path / f"{how}.pt", weights_only=True)
+        for name, value in straight.items():
+            assert torch.equal(replaced[name], value), f"{how}: {name} differs"
 
 
 class _LinearExperts(torch.nn.Module):
