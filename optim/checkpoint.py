@@ -8,8 +8,10 @@ shard holds (a flat ZeRO-1/2 slice covers a run of a parameter's elements, cut i
 a fully_shard shard is one box), straight from its own storage; values replicated over a group are
 written by the group's first rank. Loading asks DCP for the boxes this layout's shard needs, read
 straight into the master weights and optimizer states, so any (world size, ep size, ZeRO stage) loads
-any checkpoint, and neither side builds a full parameter: the memory beyond the model's own is DCP's
-copy of one box (one parameter at most). Counters, scaler, scheduler, param-group settings, client
+any checkpoint, and no rank gathers full parameters. Host memory beyond the model's own: saving
+hands DCP host boxes without copying them (a box that is not contiguous, or one on a GPU, is copied
+to the host, and DCP keeps each copy until its file is written); reading holds one stored piece at a
+time (a whole parameter where the writer held it whole: stage 0, one process, or the first format). Counters, scaler, scheduler, param-group settings, client
 state and every rank's RNG states go to `meta.pt`. Checkpoints written before the sharded layout
 (one full chunk per entry) load the same way.
 
@@ -24,6 +26,7 @@ DCP; nothing is unpickled as code.
 
 import contextlib
 import json
+import math
 import os
 import shutil
 import warnings
@@ -94,7 +97,7 @@ Boxes = dict[str, tuple[tuple[int, ...], dict[tuple[int, ...], torch.Tensor]]]  
 
 
 def _add(boxes: Boxes, key: str, size: tuple[int, ...], offsets: tuple[int, ...], view: torch.Tensor) -> None:
-    if view.numel() or not size:
+    if view.numel() or math.prod(size) == 0:  # an empty parameter is one empty box
         boxes.setdefault(key, (tuple(size), {}))[1][tuple(offsets)] = view
 
 
@@ -106,6 +109,12 @@ def _boxes_to_write(engine) -> Boxes:
         if unit.counts_once():  # stage 0 replicates a group's slice: its first rank writes it
             for key, size, offsets, view in _unit_boxes(unit, unit.master):
                 _add(boxes, f"model/{key}", size, offsets, view)
+        if _owner(engine, unit):  # parameters without elements hold no box of any slice: their owner writes one
+            for info in unit.infos:
+                if info.param.numel() == 0:
+                    for key in info.keys():
+                        shape = _entry_shape(info)
+                        _add(boxes, f"model/{key}", shape, (0,) * len(shape), torch.empty(shape, dtype=unit.master.dtype))
         for name, value in _sharded_states(engine, unit).items():
             if _is_sharded(unit, value):
                 if unit.counts_once():
@@ -290,6 +299,10 @@ def save(engine, save_dir: str, tag: str | None, client_state: dict, save_latest
             "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
             "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in engine.optimizer.param_groups],
             "client_state": client_state, "rng": rng, "gemm": products,
+            # optimizer states kept per element (shaped like the parameters), told apart from counters
+            "per_element_states": sorted({name for unit in engine.units
+                                          for name, value in _sharded_states(engine, unit).items()
+                                          if _is_sharded(unit, value)}),
             # how stacked experts' entries (`<name>#expert<g>`) join into the one-process parameter
             "expert_axes": {info.global_name: info.axis for unit in engine.units for info in unit.infos
                             if info.expert and info.axis is not None},
@@ -450,7 +463,7 @@ def _entry_shape(info) -> tuple[int, ...]:
     return tuple(shape)
 
 
-def _boxes_to_read(engine, stored, with_optimizer: bool) -> tuple[Boxes, dict]:
+def _boxes_to_read(engine, stored, with_optimizer: bool, per_element: list[str] | None) -> tuple[Boxes, dict]:
     """The boxes this rank's shard needs, as views of where they go: the masters, the optimizer states
     (kept tensors where they fit, else new shard-sized ones) and the module's buffers. Also returns the
     optimizer state each unit will have, by unit index."""
@@ -460,7 +473,7 @@ def _boxes_to_read(engine, stored, with_optimizer: bool) -> tuple[Boxes, dict]:
         for key, size, offsets, view in _unit_boxes(unit, unit.master):
             _add(boxes, f"model/{key}", size, offsets, view)
         if with_optimizer:
-            states[index] = _state_to_read(engine, unit, stored, boxes)
+            states[index] = _state_to_read(engine, unit, stored, boxes, per_element)
     for name, buffer in _buffers(engine).items():
         entry = stored.get(f"buffer/{name}")
         if entry is None:
@@ -472,10 +485,11 @@ def _boxes_to_read(engine, stored, with_optimizer: bool) -> tuple[Boxes, dict]:
     return boxes, states
 
 
-def _state_to_read(engine, unit, stored, boxes: Boxes) -> dict[str, torch.Tensor]:
+def _state_to_read(engine, unit, stored, boxes: Boxes, per_element: list[str] | None) -> dict[str, torch.Tensor]:
     """The tensors a unit's optimizer state is read into: per-element states shaped like the unit's
-    shard (this rank's boxes of them added to `boxes`), step counters as saved."""
-    # a parameter with at least one dimension tells per-element states (its shape) from counters (0-d)
+    shard (this rank's boxes of them added to `boxes`), step counters as saved. `per_element` names
+    the per-element states (meta.pt); for checkpoints that do not record them, a state whose entries
+    have the parameter's shape, with at least one dimension, is one."""
     info = next((i for i in unit.infos if i.param.dim() >= 1), unit.infos[0])
     prefix = f"optim/{info.keys()[0]}/"
     held = engine.optimizer.state.get(unit.proxy, {})
@@ -486,7 +500,8 @@ def _state_to_read(engine, unit, stored, boxes: Boxes) -> dict[str, torch.Tensor
         if not key.startswith(prefix):
             continue
         name, entry = key[len(prefix):], stored[key]
-        if len(entry.size) >= 1 and tuple(entry.size) == _entry_shape(info):
+        if (name in per_element if per_element is not None
+                else len(entry.size) >= 1 and tuple(entry.size) == _entry_shape(info)):
             value = held.get(name)
             if not (isinstance(value, torch.Tensor) and value.shape == unit.master.shape
                     and value.dtype == engine.state_dtype and value.device == unit.master.device):
@@ -515,7 +530,8 @@ def load(engine, load_dir: str, tag: str | None, load_optimizer_states: bool = T
     mismatch = _model_mismatch(engine, metadata.state_dict_metadata, path)
     if mismatch is not None:  # every rank raises it, before anything is read or overwritten
         raise RuntimeError(mismatch)
-    boxes, states = _boxes_to_read(engine, metadata.state_dict_metadata, load_optimizer_states)
+    boxes, states = _boxes_to_read(engine, metadata.state_dict_metadata, load_optimizer_states,
+                                   meta.get("per_element_states"))
     with _single_process_quiet():
         dcp.load(boxes, storage_reader=reader, planner=_BoxLoadPlanner(), no_dist=not _distributed())
     for index, unit in enumerate(engine.units):

@@ -38,9 +38,10 @@ class LiveBytes(TorchDispatchMode):
         self.live -= nbytes
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
+        # the inputs' storages before the op: `set_` (how torch.load builds tensors) gives its input a new one
         inputs = {t.untyped_storage()._cdata for t in tree_leaves((args, kwargs))
                   if isinstance(t, torch.Tensor) and not hasattr(t, "to_local")}
+        out = func(*args, **(kwargs or {}))
         for tensor in tree_leaves(out):
             if isinstance(tensor, torch.Tensor) and not hasattr(tensor, "to_local"):
                 storage = tensor.untyped_storage()

@@ -173,7 +173,8 @@ class FlatGroup:
                          grads_are_views=self.stage <= 1 and not self.accumulate)
 
     def refresh(self, module: nn.Module) -> None:
-        """Nothing to follow: the parameters are views of this group's flat buffer."""
+        """Nothing done: the parameters stay views of the flat buffer unless their storage is replaced,
+        which stages 0-2 do not follow."""
 
     def micro_step(self) -> None:
         """After each backward: stages 0/1 with a wider gradient buffer add the gradients into it (stage 2's
@@ -312,6 +313,8 @@ class ShardedParam:
         """Follow the parameter when its storage was replaced (`load_state_dict(assign=True)`, `_apply`):
         the optimizer then steps on the live shard, with the state it had."""
         param = module.get_parameter(self.infos[0].name)
+        if not hasattr(param, "to_local"):  # gathered for a forward no backward followed: nothing moved
+            return
         local = param.detach().to_local()
         if param is self.infos[0].param and local.data_ptr() == self.master.data_ptr() and local.shape == self.master.shape:
             return

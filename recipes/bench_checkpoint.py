@@ -4,8 +4,8 @@
     torchrun --standalone --nproc_per_node 8 -m recipes.bench_checkpoint --stage 2 --ep-world-size 2
 
 The model is the GPT recipe's (recipes.gpt_model, an MoE block every second layer) at the widths given,
-trained one AdamW step so that every optimizer state exists. Each process then, in turn and with
-the others waiting:
+trained one AdamW step so that every optimizer state exists. All processes then run, one after the
+other (each a collective):
 
 - sharded save: `engine.save_checkpoint` (each rank writes the boxes its shard holds);
 - full save: the previous version's way, every parameter and optimizer state gathered whole onto its

@@ -11,6 +11,8 @@ which is checked per part.
 """
 
 
+import io
+
 import torch
 
 from optim import initialize
@@ -136,3 +138,10 @@ def test_live_bytes_counts_new_storages_not_views_of_older_ones():
     assert tracker.live == 2000 and tracker.peak == 3000, (tracker.live, tracker.peak)
     del kept, fresh
     assert tracker.live == 0
+    buffer = io.BytesIO()
+    torch.save(torch.zeros(250), buffer)
+    buffer.seek(0)
+    with tracker:
+        loaded = torch.load(buffer, weights_only=True)  # torch.load attaches its storage with set_
+    assert tracker.live == 1000, tracker.live
+    del loaded
