@@ -21,16 +21,20 @@ LAYOUTS = {"padded": dict(expert_compute="padded"), "grouped": dict(expert_compu
            "packed": dict(expert_compute="packed"), "dropless": dict(dropless=True, expert_compute="auto")}
 
 
+def _gpt_engine(cfg):
+    with META:  # built on the device, as parameters moved from CPU to meta would be new objects, untagged
+        model = GPT(gpt.model_config(cfg))
+    groups = split_params_into_different_moe_groups_for_optimizer({"params": list(model.parameters()), "name": "dense"})
+    engine, *_ = initialize(model, model_parameters=groups, config=engine_config(gpt.engine_fragments(cfg), set(), ""))
+    assert engine.device == META and all(p.device == META for p in model.parameters())
+    return engine
+
+
 def _gpt_step(monkeypatch, world, ep, stage, dtype, layout, rank):
     cfg = gpt.TrainConfig(n_layer=2, n_head=2, n_embd=32, ffn=64, seq_len=16, batch_size=2, num_experts=8,
                           top_k=2, ep_world_size=ep, stage=stage, dtype=dtype, steps=10, **LAYOUTS[layout])
     with simulated_world(monkeypatch, world, rank, rows_per_rank=cfg.batch_size * cfg.seq_len * cfg.top_k) as log:
-        with META:  # built on the device, as parameters moved from CPU to meta would be new objects, untagged
-            model = GPT(gpt.model_config(cfg))
-        groups = split_params_into_different_moe_groups_for_optimizer(
-            {"params": list(model.parameters()), "name": "dense"})
-        engine, *_ = initialize(model, model_parameters=groups, config=engine_config(gpt.engine_fragments(cfg), set(), ""))
-        assert engine.device == META and all(p.device == META for p in model.parameters())
+        engine = _gpt_engine(cfg)
         tokens = torch.randint(256, (cfg.batch_size, cfg.seq_len + 1))  # a CPU batch, as the recipe makes it
         loss = gpt.train_step(engine, cfg, tokens[:, :-1], tokens[:, 1:])
         assert loss.device == META and engine.global_steps == 1
@@ -133,3 +137,38 @@ def test_recipe_evaluation_runs_on_the_device(monkeypatch, world, ep, stage):
         images, labels = torch.randint(256, (40, 3, 32, 32), dtype=torch.uint8), torch.randint(10, (40,))
         loss, accuracy, per_class = cifar.test(engine, images, labels, cifar_cfg, 1, world)
         assert log.reads.count("sums") == 1 and len(per_class) == 10
+
+
+@pytest.mark.parametrize("world, ep, rank", [(8, 2, 5), (64, 8, 63)])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_checkpoint_pieces_stay_on_the_device_and_tile_each_shard(monkeypatch, world, ep, rank, stage):
+    """What a rank would hand DCP to write, after a step: every piece a view on the model's device, inside
+    its entry, and together exactly this rank's shard of the masters and optimizer states (stage 0: the
+    first rank of each group writes everything it holds)."""
+    from optim import checkpoint
+
+    cfg = gpt.TrainConfig(n_layer=2, n_head=2, n_embd=32, ffn=64, seq_len=16, batch_size=2, num_experts=8,
+                          top_k=2, ep_world_size=ep, stage=stage, steps=10)
+    with simulated_world(monkeypatch, world, rank, rows_per_rank=cfg.batch_size * cfg.seq_len * cfg.top_k):
+        engine = _gpt_engine(cfg)
+        tokens = torch.randint(256, (cfg.batch_size, cfg.seq_len + 1))
+        gpt.train_step(engine, cfg, tokens[:, :-1], tokens[:, 1:])
+        boxes = checkpoint._boxes_to_write(engine)
+        written = {"model": 0, "optim": 0}
+        for key, (size, views) in boxes.items():
+            for offsets, view in views.items():
+                assert view.device == META, key
+                assert all(0 <= o and o + n <= s for o, n, s in zip(offsets, view.shape, size)), (key, offsets, size)
+                if key.startswith(("model/", "optim/")):
+                    written[key.split("/")[0]] += view.numel()
+        held = sum(unit.master.numel() - _padding(unit) for unit in engine.units if unit.counts_once())
+        assert written["model"] == held
+        assert written["optim"] == held * 2 + sum(  # AdamW's exp_avg and exp_avg_sq, and
+            len(i.keys()) for u in engine.units if checkpoint._owner(engine, u) for i in u.infos)  # its step counters
+
+
+def _padding(unit) -> int:
+    """Elements of a flat ZeRO shard past the group's last parameter."""
+    if not hasattr(unit, "total"):
+        return 0
+    return max(0, unit.lo + unit.shard - max(unit.total, unit.lo))
