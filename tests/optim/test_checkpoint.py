@@ -398,3 +398,42 @@ def test_a_checkpoint_of_another_model_is_refused_before_anything_changes(tmp_pa
             target.load_checkpoint(str(tmp_path), load_optimizer_states=optimizer_states)
     after = target.consolidated_state_dict()
     assert all(torch.equal(after[k], v) for k, v in before.items()), "a refused load changed the model"
+
+
+class _OneDimensionalExperts(torch.nn.Module):
+    """A stacked expert parameter of one dimension (a per-expert scale): each expert's entry is 0-d."""
+
+    def __init__(self):
+        super().__init__()
+        from parallel import tag_expert_ids, tag_expert_parameters
+
+        torch.manual_seed(0)
+        self.linear = torch.nn.Linear(8, 4)
+        self.scale = torch.nn.Parameter(torch.linspace(0.5, 2.0, 4))
+        tag_expert_parameters([self.scale], "ep_size_1")
+        tag_expert_ids(self.scale, (0, 1, 2, 3), 0)
+
+    def forward(self, x):
+        return (self.linear(x) * self.scale).square().mean()
+
+
+def test_per_expert_optimizer_states_of_one_dimensional_experts_reload(tmp_path):
+    """Their states' entries are 0-d like a step counter: meta.pt tells them apart."""
+    def engine():
+        reset_groups()
+        return initialize(_OneDimensionalExperts(), config=config(0, 1, 0.0))[0]
+
+    def train(e, steps, seed):
+        for step in range(steps):
+            e.backward(e(torch.randn(6, 8, generator=torch.Generator().manual_seed(seed + step))))
+            e.step()
+
+    straight = engine()
+    train(straight, 2, 0)
+    straight.save_checkpoint(str(tmp_path), tag="two")
+    train(straight, 2, 2)
+    resumed = engine()
+    resumed.load_checkpoint(str(tmp_path), tag="two")
+    train(resumed, 2, 2)
+    for name, value in straight.consolidated_state_dict().items():
+        assert torch.equal(resumed.consolidated_state_dict()[name], value), name
