@@ -285,19 +285,20 @@ def test_a_checkpoint_written_before_the_sharded_layout_still_loads(tmp_path):
 
 def _sharded_save(rank, world, folder, stage):
     reset_groups()
-    engine, *_ = initialize(Net(ep_size=1, dense_width=512), config=config(stage, ACCUMULATION, CLIP))
+    engine, *_ = initialize(Net(ep_size=1, dense_width=1024), config=config(stage, ACCUMULATION, CLIP))
     engine_steps(engine, 1, rank, ACCUMULATION)
     tracker = LiveBytes()
     with tracker:
         engine.save_checkpoint(folder, tag="sharded")
-    largest = max(p.numel() * p.element_size() for p in Net(dense_width=512).parameters())
+    largest = max(p.numel() * p.element_size() for p in Net(dense_width=1024).parameters())  # 32 kB
     # nothing is copied out of the flat buffer (DCP would keep every copy until the file is written: the
-    # whole share, ~60 kB here); DCP's own plans take ~25 kB per rank
-    assert tracker.peak <= largest + 32 * 1024, f"rank {rank}: {tracker.peak} bytes during save (a parameter: {largest})"
+    # whole share, ~100 kB here); DCP's own plans take 20-30 kB per rank
+    assert tracker.peak <= largest + 40 * 1024, f"rank {rank}: {tracker.peak} bytes during save (a parameter: {largest})"
     tracker = LiveBytes()
     with tracker:
         engine.load_checkpoint(folder, tag="sharded")
-    assert tracker.peak <= largest + 32 * 1024, f"rank {rank}: {tracker.peak} bytes during load"
+    # DCP's read buffers (a stored piece or two) and plans vary by ~20 kB; every entry in full: ~220 kB
+    assert tracker.peak <= largest + 96 * 1024, f"rank {rank}: {tracker.peak} bytes during load"
     if rank == 0:
         import torch.distributed.checkpoint as dcp
 
