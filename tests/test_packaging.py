@@ -1,4 +1,5 @@
-"""The five top-level packages are this project's, and imports between them point one way."""
+"""The five top-level packages are this project's, imports between them point one way, and no module
+imports itself back through others."""
 
 import ast
 import importlib
@@ -58,3 +59,69 @@ def _imports_of(node) -> set[str]:
     if isinstance(node, ast.Import):
         return {alias.name.split(".")[0] for alias in node.names}
     return {node.module.split(".")[0]} if node.module else set()
+
+
+def _module_name(path: pathlib.Path, root: pathlib.Path = ROOT) -> str:
+    parts = path.relative_to(root).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _module_edges(path: pathlib.Path, modules: set[str], root: pathlib.Path = ROOT) -> set[str]:
+    """The project modules a file names in any import, at module level or inside a function.
+
+    `from a.b import c` points at a.b.c where that is a module, else at a.b; relative imports resolve
+    against the file's package.
+    """
+    name = _module_name(path, root)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                base = ".".join(anchor + ([base] if base else []))
+            found.update(f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base for alias in node.names)
+    return {m for m in found if m in modules and m != name}
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle as a path (first module repeated at the end), or None."""
+    state, stack = {}, []
+
+    def visit(node):
+        state[node] = "open"
+        stack.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == "open":
+                return stack[stack.index(nxt):] + [nxt]
+            if nxt not in state and (found := visit(nxt)):
+                return found
+        state[node] = "done"
+        stack.pop()
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (found := visit(node)):
+            return found
+    return None
+
+
+def test_no_module_imports_itself_back():
+    paths = [p for package in PACKAGES for p in sorted((ROOT / package).rglob("*.py"))]
+    modules = {_module_name(p) for p in paths}
+    graph = {_module_name(p): _module_edges(p, modules) for p in paths}
+    assert _cycle(graph) is None, "import cycle: " + " -> ".join(_cycle(graph))
+
+
+def test_the_cycle_finder_sees_a_cycle_through_a_function_level_import(tmp_path):
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__init__.py").write_text("")
+    (tmp_path / "pkg" / "a.py").write_text("from pkg.b import g\n")
+    (tmp_path / "pkg" / "b.py").write_text("def g():\n    from . import a\n")
+    paths = sorted((tmp_path / "pkg").rglob("*.py"))
+    modules = {_module_name(p, tmp_path) for p in paths}
+    graph = {_module_name(p, tmp_path): _module_edges(p, modules, tmp_path) for p in paths}
+    assert _cycle(graph) == ["pkg.a", "pkg.b", "pkg.a"]

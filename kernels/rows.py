@@ -1,0 +1,230 @@
+"""Row primitives shared by permute and unpermute_combine: gather rows, combine rows, row dots.
+
+The two dispatch ops are duals. permute gathers token rows into the expert-sorted buffer and its
+backward combines buffer rows back to tokens with unit weights; unpermute_combine combines buffer rows
+to tokens with the gate's weights and its backward gathers token rows into the buffer, scaled by the
+weights, plus one row dot product per choice. Every primitive here is a gather with a fixed summation
+order: no atomics, deterministic.
+
+Shape legend: S tokens, K choices per token, M model dim, N rows of the dispatch buffer. `row_SK` is
+the buffer row per (token, choice), -1 where the choice was dropped. On CUDA each primitive is a Triton
+kernel behind a torch custom op (fake and meta tensors and torch.compile see a shape-only
+implementation); elsewhere torch index ops into the CPU workspace (see kernels.backend to force either).
+"""
+
+import functools
+
+import torch
+
+from kernels import workspace
+from kernels.backend import block_size, use_triton
+
+
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """fp32 for half types; fp32 and float64 stay as they are."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def scatter_kept(row_SK: torch.Tensor, values_P: torch.Tensor, num_rows: int, fill) -> torch.Tensor:
+    """out[row_SK[p]] = values_P[p] for kept choices, `fill` elsewhere; shape [N].
+
+    Dropped choices write to a spare row N that is cut off: a scatter of fixed size, where boolean
+    indexing would sync with the host to learn how many choices were kept.
+    """
+    rows_P = row_SK.reshape(-1)
+    out = torch.full((num_rows + 1,), fill, dtype=values_P.dtype, device=row_SK.device)
+    return out.scatter_(0, torch.where(rows_P >= 0, rows_P, num_rows), values_P).narrow(0, 0, num_rows)
+
+
+def source_tokens(row_SK: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """Inverse map: the token each buffer row comes from, -1 for empty rows; shape [N]."""
+    token_P = torch.arange(row_SK.numel(), device=row_SK.device) // max(row_SK.shape[1], 1)
+    return scatter_kept(row_SK, token_P, num_rows, -1)
+
+
+@functools.cache
+def _kernels():
+    """The Triton kernels, built on first use so that CPU-only use never imports triton."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def gather_rows_kernel(x_ptr, token_ptr, scale_ptr, out_ptr, n_cols, stride_xm, stride_om,
+                           HAS_SCALE: tl.constexpr, BLOCK_M: tl.constexpr):
+        # one program per (buffer row, block of columns): a gather, so no two programs write one place
+        row = tl.program_id(0).to(tl.int64)
+        offsets = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+        mask = offsets < n_cols
+        token = tl.load(token_ptr + row)
+        keep = token >= 0
+        source = tl.where(keep, token, 0)
+        values = tl.load(x_ptr + source * stride_xm + offsets, mask=mask, other=0.0).to(tl.float32)
+        values = tl.where(keep, values, 0.0)  # empty rows read token 0 (so S > 0) and write zeros
+        if HAS_SCALE:
+            values = values * tl.load(scale_ptr + row).to(tl.float32)
+        tl.store(out_ptr + row * stride_om + offsets, values.to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def combine_rows_kernel(buffer_ptr, row_ptr, weight_ptr, out_ptr, n_cols, K, stride_bm, stride_om,
+                            BLOCK_M: tl.constexpr):
+        # one program per (token, block of columns); choices summed in a fixed order, in fp32
+        token = tl.program_id(0).to(tl.int64)
+        offsets = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+        mask = offsets < n_cols
+        acc = tl.zeros([BLOCK_M], dtype=tl.float32)
+        for j in range(K):
+            row = tl.load(row_ptr + token * K + j)
+            keep = row >= 0
+            weight = tl.where(keep, tl.load(weight_ptr + token * K + j).to(tl.float32), 0.0)
+            values = tl.load(buffer_ptr + tl.where(keep, row, 0) * stride_bm + offsets, mask=mask, other=0.0)
+            acc += tl.where(keep, weight * values.to(tl.float32), 0.0)  # a dropped choice adds nothing, not 0 * nan
+        tl.store(out_ptr + token * stride_om + offsets, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def row_dots_kernel(grad_ptr, buffer_ptr, row_ptr, out_ptr, n_cols, K, stride_gm, stride_bm,
+                        BLOCK_M: tl.constexpr):
+        # one program per (token, choice): <grad_out[token], buffer[row]> in fp32, 0 when dropped
+        choice = tl.program_id(0).to(tl.int64)
+        token = choice // K
+        row = tl.load(row_ptr + choice)
+        keep = row >= 0
+        source = tl.where(keep, row, 0)
+        acc = tl.zeros([BLOCK_M], dtype=tl.float32)
+        for start in range(0, n_cols, BLOCK_M):
+            offsets = start + tl.arange(0, BLOCK_M)
+            mask = offsets < n_cols
+            g = tl.load(grad_ptr + token * stride_gm + offsets, mask=mask, other=0.0).to(tl.float32)
+            b = tl.load(buffer_ptr + source * stride_bm + offsets, mask=mask, other=0.0).to(tl.float32)
+            acc += tl.where(keep, g * b, 0.0)
+        tl.store(out_ptr + choice, tl.sum(acc, axis=0))
+
+    return gather_rows_kernel, combine_rows_kernel, row_dots_kernel
+
+
+@torch.library.custom_op("exactmoe::gather_rows", mutates_args=())
+def gather_rows_triton(x_SM: torch.Tensor, token_N: torch.Tensor, scale_N: torch.Tensor | None) -> torch.Tensor:
+    """Launch: checks, output allocation and the grid (rows x column blocks)."""
+    assert x_SM.stride(1) == 1 and token_N.is_contiguous()
+    num_rows, n_cols = token_N.shape[0], x_SM.shape[1]
+    out_NM = torch.empty(num_rows, n_cols, dtype=x_SM.dtype, device=x_SM.device)
+    if num_rows == 0 or n_cols == 0:
+        return out_NM
+    if x_SM.shape[0] == 0:
+        return out_NM.zero_()
+    BLOCK_M = block_size(n_cols)
+    grid = (num_rows, -(-n_cols // BLOCK_M))
+    scale = scale_N.contiguous() if scale_N is not None else token_N
+    _kernels()[0][grid](x_SM, token_N, scale, out_NM, n_cols, x_SM.stride(0), out_NM.stride(0),
+                        HAS_SCALE=scale_N is not None, BLOCK_M=BLOCK_M)
+    return out_NM
+
+
+@gather_rows_triton.register_fake
+def _(x_SM, token_N, scale_N):
+    return x_SM.new_empty(token_N.shape[0], x_SM.shape[1])
+
+
+@torch.library.custom_op("exactmoe::combine_rows", mutates_args=())
+def combine_rows_triton(buffer_NM: torch.Tensor, row_SK: torch.Tensor, weight_SK: torch.Tensor) -> torch.Tensor:
+    """Launch: output allocation and the grid (tokens x column blocks)."""
+    S, K = row_SK.shape
+    n_cols = buffer_NM.shape[1]
+    out_SM = torch.empty(S, n_cols, dtype=buffer_NM.dtype, device=buffer_NM.device)
+    if S == 0 or n_cols == 0:
+        return out_SM
+    if K == 0 or buffer_NM.shape[0] == 0:  # nothing to gather (and no row 0 to read)
+        return out_SM.zero_()
+    BLOCK_M = block_size(n_cols)
+    _kernels()[1][(S, -(-n_cols // BLOCK_M))](
+        buffer_NM, row_SK.contiguous(), weight_SK.contiguous(), out_SM, n_cols, K, buffer_NM.stride(0),
+        out_SM.stride(0), BLOCK_M=BLOCK_M,
+    )
+    return out_SM
+
+
+@combine_rows_triton.register_fake
+def _(buffer_NM, row_SK, weight_SK):
+    return buffer_NM.new_empty(row_SK.shape[0], buffer_NM.shape[1])
+
+
+@torch.library.custom_op("exactmoe::row_dots", mutates_args=())
+def row_dots_triton(grad_SM: torch.Tensor, buffer_NM: torch.Tensor, row_SK: torch.Tensor) -> torch.Tensor:
+    """Launch: one program per (token, choice)."""
+    S, K = row_SK.shape
+    dots_SK = torch.zeros(S, K, dtype=torch.float32, device=buffer_NM.device)
+    if S * K == 0 or buffer_NM.shape[0] == 0:
+        return dots_SK
+    n_cols = buffer_NM.shape[1]
+    _kernels()[2][(S * K,)](
+        grad_SM, buffer_NM, row_SK.contiguous(), dots_SK, n_cols, K, grad_SM.stride(0), buffer_NM.stride(0),
+        BLOCK_M=block_size(n_cols),
+    )
+    return dots_SK
+
+
+@row_dots_triton.register_fake
+def _(grad_SM, buffer_NM, row_SK):
+    return grad_SM.new_empty(row_SK.shape, dtype=torch.float32)
+
+
+def gather_rows(x_SM: torch.Tensor, token_N: torch.Tensor, scale_N: torch.Tensor | None) -> torch.Tensor:
+    """buffer[n] = scale[n] * x[token[n]], zero where token[n] == -1 (Triton or torch)."""
+    x_SM = x_SM.contiguous()
+    if use_triton(x_SM):
+        return gather_rows_triton(x_SM, token_N, scale_N)
+    out = workspace.empty((token_N.shape[0], x_SM.shape[1]), x_SM.dtype, x_SM.device)
+    if x_SM.shape[0] == 0:
+        return out.zero_()
+    buffer_NM = torch.index_select(x_SM, 0, token_N.clamp(min=0), out=out)
+    if scale_N is not None:
+        buffer_NM.mul_(scale_N.to(buffer_NM.dtype).unsqueeze(1))
+    if buffer_NM.device.type != "cpu" or torch.compiler.is_compiling():
+        # rows no choice points at are zero: a mask, no host sync (a compiled graph cannot read one)
+        return buffer_NM.masked_fill_((token_N < 0).unsqueeze(1), 0)
+    empty_N = (token_N < 0).nonzero().squeeze(1)  # eager on the CPU a host read costs nothing and skips a pass
+    if empty_N.numel():
+        buffer_NM.index_fill_(0, empty_N, 0)
+    return buffer_NM
+
+
+def combine_rows(buffer_NM: torch.Tensor, row_SK: torch.Tensor, weight_SK: torch.Tensor) -> torch.Tensor:
+    """out[s] = sum_j w[s, j] * buffer[row[s, j]], fp32 accumulation (Triton, or one gather per choice)."""
+    buffer_NM = buffer_NM.contiguous()
+    if use_triton(buffer_NM):
+        return combine_rows_triton(buffer_NM, row_SK, weight_SK)
+    S, K = row_SK.shape
+    acc_dtype = accumulation_dtype(buffer_NM.dtype)
+    if K == 0:
+        return buffer_NM.new_zeros(S, buffer_NM.shape[1])
+    kept_SK = row_SK >= 0
+    rows_SK = row_SK.clamp(min=0)
+    w_SK = torch.where(kept_SK, weight_SK, torch.zeros_like(weight_SK)).to(acc_dtype)
+    shape = (S, buffer_NM.shape[1])
+    out_SM = _select(buffer_NM, rows_SK[:, 0], workspace.empty(shape, buffer_NM.dtype, buffer_NM.device)).to(acc_dtype)
+    out_SM.mul_(w_SK[:, :1])
+    if K > 1:
+        rows_SM = workspace.empty(shape, buffer_NM.dtype, buffer_NM.device)
+        for j in range(1, K):
+            out_SM.addcmul_(_select(buffer_NM, rows_SK[:, j], rows_SM).to(acc_dtype), w_SK[:, j : j + 1])
+    return out_SM.to(buffer_NM.dtype)
+
+
+def row_dots(grad_SM: torch.Tensor, buffer_NM: torch.Tensor, row_SK: torch.Tensor, g_NM: torch.Tensor | None = None):
+    """<grad_out[s], buffer[row(s, j)]> in fp32 per (token, choice), 0 for dropped choices; shape [S, K].
+
+    On the CPU path `g_NM` may give grad_out already gathered into buffer order (the buffer gradient's
+    gather), so the dots are one batched product of rows without an [N, M] temporary.
+    """
+    if use_triton(buffer_NM):
+        return row_dots_triton(grad_SM, buffer_NM, row_SK)
+    num_rows = buffer_NM.shape[0]
+    acc_dtype = accumulation_dtype(buffer_NM.dtype)
+    if g_NM is None:
+        g_NM = gather_rows(grad_SM, source_tokens(row_SK, num_rows), None)
+    dots_N = torch.bmm(g_NM.to(acc_dtype).unsqueeze(1), buffer_NM.to(acc_dtype).unsqueeze(2)).view(-1)
+    dots_N1 = torch.cat([dots_N, dots_N.new_zeros(1)])  # row N: the dropped choices' zero
+    return dots_N1[torch.where(row_SK >= 0, row_SK, num_rows)]
+
+
+def _select(buffer_NM, rows, out):
+    return torch.index_select(buffer_NM, 0, rows, out=out)
