@@ -5,6 +5,9 @@
     capacity layout (capacity = C): row = e * C + position if position < C, else -1 (dropped)
     dropless layout (capacity = None): row = offsets_E[e] + position, offsets_E = exclusive cumsum of counts
 
+`expert_positions` gives the positions; a gate turns them into slots (dropping what does not fit, see
+moe.routing) and `buffer_rows` turns slots into rows.
+
 Shape legend: P choices in fill order (the caller flattens [S, K] token-major, or choice-major for
 top-2's "first choices before second choices"), E experts. Choices with expert -1 go nowhere. The
 Triton kernel runs one program per expert scanning the choices block by block with a running
@@ -17,7 +20,7 @@ import torch
 
 from kernels.backend import sync_checks, use_triton
 
-__all__ = ["expert_positions", "expert_positions_reference", "route"]
+__all__ = ["buffer_rows", "expert_positions", "expert_positions_reference"]
 
 
 def expert_positions_reference(expert_P: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -108,26 +111,27 @@ def _(expert_P, num_experts):
     return expert_P.new_empty(num_experts), torch.empty_like(expert_P)
 
 
-def route(
-    expert_P: torch.Tensor, num_experts: int, capacity: int | None = None
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Buffer rows for both layouts.
+def buffer_rows(expert_P: torch.Tensor, slot_P: torch.Tensor, capacity: int | None = None,
+                counts_E: torch.Tensor | None = None) -> torch.Tensor:
+    """Each choice's row of the dispatch buffer, from its expert and its slot among that expert's choices.
 
     Args:
-        expert_P: int64 expert per choice in fill order, shape [P]; -1 for choices routed nowhere.
-        num_experts: E.
-        capacity: C for the capacity layout ([E, C] rows, choices at positions >= C dropped), or None
-            for the dropless layout (packed rows, nothing dropped).
+        expert_P: int64 expert per choice, any shape; -1 where the choice was dropped or routed nowhere.
+        slot_P: int64 slot per choice (its position among the kept choices of its expert), same shape.
+        capacity: C for the capacity layout (row = expert * C + slot); None for the packed layout.
+        counts_E: int64 kept choices per expert, shape [E]; the packed layout's rows follow each other
+            expert by expert (row = offsets_E[expert] + slot, offsets_E the exclusive cumsum of counts).
 
     Returns:
-        counts_E: choices per expert before dropping; offsets_E: each expert's first row;
-        row_P: int64 buffer row per choice, -1 where dropped or routed nowhere.
+        row_P: int64, shape of expert_P, -1 where expert_P is -1.
     """
-    counts_E, position_P = expert_positions(expert_P, num_experts)
+    if (capacity is None) == (counts_E is None):
+        raise ValueError(f"give exactly one of capacity (padded rows) or counts_E (packed rows), got "
+                         f"capacity={capacity!r} and counts_E={'None' if counts_E is None else 'a tensor'}")
     expert = expert_P.clamp(min=0)
-    if capacity is None:
+    if capacity is not None:
+        row_P = expert * capacity + slot_P
+    else:
         offsets_E = torch.cumsum(counts_E, 0) - counts_E
-        return counts_E, offsets_E, torch.where(position_P >= 0, offsets_E[expert] + position_P, -1)
-    offsets_E = torch.arange(num_experts, device=expert_P.device) * capacity
-    kept = (position_P >= 0) & (position_P < capacity)
-    return counts_E, offsets_E, torch.where(kept, offsets_E[expert] + position_P, -1)
+        row_P = torch.take(offsets_E, expert) + slot_P
+    return torch.where(expert_P >= 0, row_P, -1)

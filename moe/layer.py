@@ -19,7 +19,7 @@ import warnings
 import torch
 from torch import nn
 
-from kernels import permute, unpermute_combine
+from kernels import buffer_rows, permute, unpermute_combine
 from moe import expert_parallel
 from moe.expert_parallel import check_equal_tokens, run_experts_packed, run_experts_padded
 from moe.experts import Experts, _plain_mlp
@@ -33,19 +33,6 @@ __all__ = ["MoE", "MOELayer"]
 EXPERT_COMPUTE = ("auto", "packed", "grouped", "padded")
 EXPERT_INIT = ("copy", "per_expert_seed")
 EXCHANGES = ("per_choice", "per_rank")
-
-
-def _padded_rows(routing: Routing) -> tuple[torch.Tensor, int]:
-    """Buffer row per (token, choice) in the capacity layout, expert * C + slot, -1 where dropped; and E * C."""
-    row_SK = routing.expert_idx_SK.clamp(min=0) * routing.capacity + routing.slot_SK
-    return torch.where(routing.kept_SK, row_SK, -1), routing.num_experts * routing.capacity
-
-
-def _packed_rows(routing: Routing, counts_E: torch.Tensor) -> torch.Tensor:
-    """Buffer row per (token, choice) with rows sorted by expert and no gaps, -1 where dropped."""
-    offsets_E = torch.cumsum(counts_E, 0) - counts_E
-    row_SK = torch.take(offsets_E, routing.expert_idx_SK.clamp(min=0)) + routing.slot_SK
-    return torch.where(routing.kept_SK, row_SK, -1)
 
 
 class MOELayer(nn.Module):
@@ -109,7 +96,8 @@ class MOELayer(nn.Module):
             self.routing, self.l_aux, self.exp_counts, self.z_loss = routing, routing.l_aux, routing.exp_counts, routing.z_loss
             return out_SM
         if compute == "padded":
-            row_SK, num_rows = _padded_rows(routing)
+            row_SK = buffer_rows(routing.expert_idx_SK, routing.slot_SK, capacity=routing.capacity)
+            num_rows = routing.num_experts * routing.capacity
             if self.ep_size > 1 and self.gate.config.drop_tokens:  # (expert choice always has a fixed capacity)
                 check_equal_tokens(x_SM.shape[0], x_SM.device, self.ep_group)
             buffer_NM = permute(x_SM, row_SK, num_rows)
@@ -119,7 +107,7 @@ class MOELayer(nn.Module):
                 y_NM = run_experts_padded(self.experts, buffer_NM, routing.capacity, self.ep_size, self.ep_group)
         else:
             counts_E = routing.kept_counts()
-            row_SK = _packed_rows(routing, counts_E)
+            row_SK = buffer_rows(routing.expert_idx_SK, routing.slot_SK, counts_E=counts_E)
             if self.ep_size > 1:
                 exchange = expert_parallel.plan_exchange(counts_E, self.ep_size, self.ep_group)
                 buffer_NM = permute(x_SM, row_SK, sum(exchange.send))

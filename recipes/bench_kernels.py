@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 
-from kernels import permute, permute_reference, route, unpermute_combine, unpermute_combine_reference
+from kernels import buffer_rows, expert_positions, permute, permute_reference, unpermute_combine, unpermute_combine_reference
 from moe import MoE
 from recipes.cli import flag_parser
 
@@ -79,8 +79,9 @@ def main(argv=None) -> None:
     torch.manual_seed(0)
     capacity = -(-int(S * K * cfg.capacity_factor) // E)
     expert_SK = torch.argsort(torch.rand(S, E, device=device), 1)[:, :K]  # K distinct experts per token
-    _, _, row_P = route(expert_SK.reshape(-1), E, capacity)
-    row_SK = row_P.view(S, K)
+    _, position_P = expert_positions(expert_SK.reshape(-1), E)
+    slot_SK = torch.where(position_P < capacity, position_P, -1).view(S, K)
+    row_SK = buffer_rows(torch.where(slot_SK >= 0, expert_SK, -1), slot_SK, capacity=capacity)
     N = E * capacity
     x = torch.randn(S, M, device=device, dtype=dtype)
     buffer = torch.randn(N, M, device=device, dtype=dtype)

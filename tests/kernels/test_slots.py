@@ -1,9 +1,9 @@
-"""route and expert_positions: the Triton kernel against the torch reference, compared exactly."""
+"""expert_positions (the Triton kernel against the torch reference, compared exactly) and buffer_rows."""
 
 import pytest
 import torch
 
-from kernels import expert_positions, expert_positions_reference, route
+from kernels import buffer_rows, expert_positions, expert_positions_reference
 from tests.devices import DEVICE
 
 
@@ -24,14 +24,19 @@ def test_positions_follow_fill_order():
     assert positions.tolist() == [0, 0, 1, -1, 2, 1]
 
 
-def test_route_layouts(kernel_backend, monkeypatch):
+def test_buffer_rows_layouts(kernel_backend, monkeypatch):
     expert_P = torch.tensor([1, 1, 0, 1, -1, 0, 1], device=DEVICE)
-    counts, offsets, rows = route(expert_P, 3, capacity=2)
-    assert counts.tolist() == [2, 4, 0] and offsets.tolist() == [0, 2, 4]
-    assert rows.tolist() == [2, 3, 0, -1, -1, 1, -1]
-    counts, offsets, rows = route(expert_P, 3)
-    assert offsets.tolist() == [0, 2, 6]
-    assert rows.tolist() == [2, 3, 0, 4, -1, 1, 5]
+    counts, positions = expert_positions(expert_P, 3)
+    assert counts.tolist() == [2, 4, 0] and positions.tolist() == [0, 1, 0, 2, -1, 1, 3]
+    slot = torch.where(positions < 2, positions, -1)  # capacity 2: expert 1 keeps its first two
+    kept_expert = torch.where(slot >= 0, expert_P, -1)
+    assert buffer_rows(kept_expert, slot, capacity=2).tolist() == [2, 3, 0, -1, -1, 1, -1]
+    # packed: expert 0's two rows, then expert 1's four, expert 2 empty
+    assert buffer_rows(expert_P, positions, counts_E=counts).tolist() == [2, 3, 0, 4, -1, 1, 5]
+    kept_counts = torch.tensor([2, 2, 0], device=DEVICE)
+    assert buffer_rows(kept_expert, slot, counts_E=kept_counts).tolist() == [2, 3, 0, -1, -1, 1, -1]
+    with pytest.raises(ValueError, match="exactly one of capacity"):
+        buffer_rows(expert_P, positions)
     monkeypatch.setenv("MOE_SYNC_CHECKS", "1")  # the range check reads a device value: opt-in
     with pytest.raises(ValueError, match="holds expert 3, but num_experts is 3"):
-        route(torch.tensor([3], device=DEVICE), 3)
+        expert_positions(torch.tensor([3], device=DEVICE), 3)
