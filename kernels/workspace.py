@@ -1,8 +1,8 @@
 """Reusable CPU memory for the dispatch path's large temporaries.
 
-On a CPU, a fresh allocation of tens of MiB is served by mmap and first-touched page by page, which
-on the machines we measured costs about 1 ms per MiB, as much as a tenth of an MoE layer's step. CUDA
-has a caching allocator; the CPU has none, so large temporaries (dispatch buffers, their gradients,
+On a CPU, a fresh allocation of tens of MiB is served by mmap and first-touched page by page: every
+page faults once, on every step, although the same sizes come back each step. CUDA has a caching
+allocator; the CPU has none, so large temporaries (dispatch buffers, their gradients,
 stacked expert gradients) come from this pool: it keeps the storages it handed out, by size class,
 and gives one out again only when no tensor references it any more (its use count is the pool's
 own), so reuse is safe by construction. Storages left idle for a while are released. Small or
@@ -37,8 +37,7 @@ def _tune_malloc() -> bool:
     """Keep glibc from returning freed chunks of up to 32 MiB to the OS between steps.
 
     The experts' products allocate their outputs inside torch ops, where the pool cannot serve them;
-    glibc would otherwise trim and re-fault those chunks every step (about 8% of a step at 64
-    experts). This keeps freed memory in the process for reuse, as jemalloc or tcmalloc would.
+    glibc would otherwise trim those chunks and fault them in again every step. This keeps freed memory in the process for reuse, as jemalloc or tcmalloc would.
     """
     name = ctypes.util.find_library("c")
     if not name:

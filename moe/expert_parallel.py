@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from einops import rearrange
 
 from kernels import sync_checks
 from parallel import all_to_all, exchange_counts
@@ -52,9 +53,9 @@ def run_experts_padded(experts, buffer_NM: torch.Tensor, capacity: int, ep_size:
     """Experts over the group for the capacity layout; buffer_NM is [E * C, M] sorted by global expert."""
     L, M = experts.num_local_experts, buffer_NM.shape[1]
     received = all_to_all(buffer_NM, ep_group)  # [R * L * C, M], chunk r from EP rank r
-    local = received.view(ep_size, L, capacity, M).transpose(0, 1).reshape(L * ep_size * capacity, M)
+    local = rearrange(received, "(r l c) m -> (l r c) m", r=ep_size, l=L, c=capacity)
     y = experts(local, None)  # expert l sees R * C rows
-    back = y.view(L, ep_size, capacity, -1).transpose(0, 1).reshape(ep_size * L * capacity, -1)
+    back = rearrange(y, "(l r c) m -> (r l c) m", r=ep_size, l=L, c=capacity)
     return all_to_all(back, ep_group)
 
 

@@ -23,7 +23,7 @@ expert's rank and rounded to the model dtype before they travel back.
 
 import torch
 
-from kernels import expert_positions, permute, unpermute_combine
+from kernels import buffer_rows, expert_positions, permute, unpermute_combine
 from moe.expert_parallel import _sizes
 from moe.routing import Routing
 from parallel import all_to_all, exchange_counts
@@ -81,8 +81,7 @@ def run_experts_per_rank(experts, x_SM: torch.Tensor, routing: Routing, ep_size:
     weight_QK, local_QK = payload_QX.narrow(1, 0, K), payload_QX.narrow(1, K, K).detach().round().long()
     # 4. experts: the received choices sorted by local expert (fill order: row, then choice)
     counts_L, position_P = expert_positions(local_QK.reshape(-1), L)
-    offsets_L = torch.cumsum(counts_L, 0) - counts_L
-    row_QK = torch.where(local_QK >= 0, torch.take(offsets_L, local_QK.clamp(min=0)) + position_P.view_as(local_QK), -1)
+    row_QK = buffer_rows(local_QK, position_P.view_as(local_QK), counts_E=counts_L)
     choices_PM = permute(received_QM, row_QK, sum(local_counts))
     y_PM = experts(choices_PM, local_counts, grouped_gemm=grouped_gemm)
     partial_QM = unpermute_combine(y_PM, row_QK, weight_QK)

@@ -75,7 +75,7 @@ def _sharded_states(engine, unit) -> dict:
 
 
 def _is_sharded(unit, value: torch.Tensor) -> bool:
-    return value.dim() >= 1 and value.shape == unit.master.shape
+    return value.dim() >= 1 and value.shape == unit.weights.shape
 
 
 def _unit_boxes(unit, local: torch.Tensor) -> list[tuple[str, tuple[int, ...], tuple[int, ...], torch.Tensor]]:
@@ -107,14 +107,14 @@ def _boxes_to_write(engine) -> Boxes:
     boxes: Boxes = {}
     for unit in engine.units:
         if unit.counts_once():  # stage 0 replicates a group's slice: its first rank writes it
-            for key, size, offsets, view in _unit_boxes(unit, unit.master):
+            for key, size, offsets, view in _unit_boxes(unit, unit.weights):
                 _add(boxes, f"model/{key}", size, offsets, view)
         if _owner(engine, unit):  # parameters without elements hold no box of any slice: their owner writes one
             for info in unit.infos:
                 if info.param.numel() == 0:
                     for key in info.keys():
                         shape = _entry_shape(info)
-                        _add(boxes, f"model/{key}", shape, (0,) * len(shape), torch.empty(shape, dtype=unit.master.dtype))
+                        _add(boxes, f"model/{key}", shape, (0,) * len(shape), torch.empty(shape, dtype=unit.weights.dtype))
         for name, value in _sharded_states(engine, unit).items():
             if _is_sharded(unit, value):
                 if unit.counts_once():
@@ -203,7 +203,7 @@ def _global_view(engine, with_optimizer: bool = True) -> dict[str, torch.Tensor]
     out = {}
     for unit in engine.units:
         owner = _owner(engine, unit)
-        fulls = unit.gather(unit.master)
+        fulls = unit.gather(unit.weights)
         if owner:
             for info, full in zip(unit.infos, fulls):
                 for key, piece in zip(info.keys(), info.split(full)):
@@ -470,7 +470,7 @@ def _boxes_to_read(engine, stored, with_optimizer: bool, per_element: list[str] 
     boxes: Boxes = {}
     states = {}
     for index, unit in enumerate(engine.units):
-        for key, size, offsets, view in _unit_boxes(unit, unit.master):
+        for key, size, offsets, view in _unit_boxes(unit, unit.weights):
             _add(boxes, f"model/{key}", size, offsets, view)
         if with_optimizer:
             states[index] = _state_to_read(engine, unit, stored, boxes, per_element)
@@ -503,13 +503,13 @@ def _state_to_read(engine, unit, stored, boxes: Boxes, per_element: list[str] | 
         if (name in per_element if per_element is not None
                 else len(entry.size) >= 1 and tuple(entry.size) == _entry_shape(info)):
             value = held.get(name)
-            if not (isinstance(value, torch.Tensor) and value.shape == unit.master.shape
-                    and value.dtype == engine.state_dtype and value.device == unit.master.device):
-                value = torch.zeros(unit.master.shape, dtype=engine.state_dtype, device=unit.master.device)
+            if not (isinstance(value, torch.Tensor) and value.shape == unit.weights.shape
+                    and value.dtype == engine.state_dtype and value.device == unit.weights.device):
+                value = torch.zeros(unit.weights.shape, dtype=engine.state_dtype, device=unit.weights.device)
             for entry_key, size, offsets, view in _unit_boxes(unit, value):
                 _add(boxes, f"optim/{entry_key}/{name}", size, offsets, view)
         elif on_device:
-            value = torch.empty(tuple(entry.size), dtype=torch.float32, device=unit.master.device)
+            value = torch.empty(tuple(entry.size), dtype=torch.float32, device=unit.weights.device)
             _add(boxes, key, tuple(entry.size), (0,) * len(entry.size), value)
         else:
             value = torch.empty(tuple(entry.size), dtype=entry.properties.dtype)

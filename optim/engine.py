@@ -23,19 +23,19 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from optim import checkpoint
+from optim import checkpoint, fsdp
 from optim.buckets import GradientBuckets, release_hooks
 from optim.config import EngineConfig, parse_config
+from optim.memory import model_state_bytes
 from optim.monitor import Monitor, StepStats
 from optim.scaler import LossScaler, LossScalerConfig
 from optim.schedulers import build_scheduler
 from optim.zero import FlatGroup, ShardedParam, describe_parameters, shard_placement
-from parallel import data_before_expert, data_meshes, groups_for_name, local_device
+from parallel import data_before_expert, groups_for_name, local_device, split_group
 
 __all__ = ["Engine", "initialize"]
 
 _DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
-_PICTURE_INTERVAL = 10  # steps between expert-load histograms and heatmaps in TensorBoard (scalars: every step)
 
 
 class _ScaleGrad(torch.autograd.Function):
@@ -76,22 +76,13 @@ def _param_groups(model: nn.Module, model_parameters, optimizer) -> tuple[list[d
 
 
 def _split_expert_groups(groups: list[dict], infos: dict) -> list[dict]:
-    """Each group's dense parameters, then one group per expert group name flagged moe=True."""
+    """Each group's trainable dense parameters (flagged moe=False), then its expert groups (parallel.split_group)."""
     out = []
     for group in groups:
-        params = [p for p in group["params"] if id(p) in infos]
-        by_name: dict[str, list] = {}
-        for param in params:
-            if infos[id(param)].expert:
-                by_name.setdefault(infos[id(param)].group_name, []).append(param)
-        dense = [p for p in params if not infos[id(p)].expert]
-        options = {k: v for k, v in group.items() if k != "params"}
-        if dense:
-            out.append({**options, "params": dense, "moe": False})
-        for name, expert_params in by_name.items():
-            # DeepSpeed names expert groups by their group name, unless the user flagged and named the group
-            group_label = options["name"] if options.get("moe") and "name" in options else name
-            out.append({**options, "params": expert_params, "moe": True, "name": group_label})
+        dense, experts = split_group({**group, "params": [p for p in group["params"] if id(p) in infos]})
+        if dense["params"]:
+            out.append({**dense, "moe": False})
+        out += experts
     return out
 
 
@@ -117,9 +108,9 @@ def _build_optimizer(config: EngineConfig, optimizer, defaults: dict, groups: li
     if "betas" in params:
         params["betas"] = tuple(params["betas"])
     if cls is not torch.optim.SGD and "fused" not in params and "foreach" not in params:
-        # torch's fused Adam(W) steps every shard in one pass without temporaries: on this project's CPU
-        # (AMD EPYC), AdamW on 10M fp32 elements took 6.8 ms fused against 50 ms for torch's default
-        # loop. Not SGD: torch 2.13's fused CPU SGD with momentum drifts far from the loop in bf16/fp16.
+        # torch's fused Adam(W) steps every shard in one pass without temporaries, where its default
+        # steps tensor by tensor. Not SGD: torch 2.13's fused CPU SGD with momentum drifts far from the
+        # loop in bf16/fp16.
         devices = {p.device.type for group in groups for p in group["params"]}
         params["fused"] = devices <= _FUSED_DEVICES
     return cls(groups, **params)
@@ -167,7 +158,8 @@ class Engine:
         groups = [dict(g, params=[infos[id(p)] for p in g["params"]]) for g in _split_expert_groups(user_groups, infos)]
         self._fully_shard = self.stage == 3 and dist.is_available() and dist.is_initialized()
         if self._fully_shard:
-            self._shard_stage3(infos)
+            fsdp.shard_model(self.module, infos, self.compute_dtype if low is not None else None, self.master_dtype,
+                             self.offload, self.world_size, self.device)
         elif low is not None:
             self.module.to(self.compute_dtype)
         self.units = self._build_units(groups)
@@ -216,41 +208,6 @@ class Engine:
                     dist.broadcast(param.data, src=0)
             for buffer in self.module.buffers():
                 dist.broadcast(buffer.data, src=0)
-
-    def _shard_stage3(self, infos: dict) -> None:
-        """fully_shard expert modules over their edp mesh, then the model over the dp mesh."""
-        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
-
-        low = self.config.low_precision
-        if low is not None and self.master_dtype == torch.bfloat16:
-            self.module.to(torch.bfloat16)
-            policy = MixedPrecisionPolicy()
-        elif low is not None:
-            policy = MixedPrecisionPolicy(param_dtype=self.compute_dtype, reduce_dtype=torch.float32)
-        else:
-            policy = MixedPrecisionPolicy()
-        offload = CPUOffloadPolicy(pin_memory=True) if self.offload else None
-        kwargs = {"mp_policy": policy, **({"offload_policy": offload} if offload else {})}
-        by_name = {info.name: info for info in infos.values()}
-        all_expert = {}
-        for name, module in self.module.named_modules():
-            names = [f"{name}.{n}" if name else n for n, p in module.named_parameters() if p.requires_grad]
-            all_expert[name] = bool(names) and all(n in by_name and by_name[n].expert for n in names)
-        for name, module in self.module.named_modules():
-            parent = name.rpartition(".")[0] if name else None
-            if all_expert[name] and (parent is None or not all_expert.get(parent, False)):
-                first = by_name[_first_name(name, module)]
-                groups = groups_for_name(first.group_name, first.data_before_expert)
-                _, edp_mesh = data_meshes(groups.ep_size, groups.use_data_before_expert_parallel, self.device.type)
-                fully_shard(module, mesh=edp_mesh, shard_placement_fn=shard_placement(edp_mesh.size()), **kwargs)
-                module.set_gradient_divide_factor(float(self.world_size))
-                if dist.get_backend() == "gloo":  # gloo has no PREMUL_SUM; NCCL divides on the wire
-                    module.set_force_sum_reduction_for_comms(True)
-        dp_mesh, _ = data_meshes(1, device_type=self.device.type)
-        fully_shard(self.module, mesh=dp_mesh, shard_placement_fn=shard_placement(dp_mesh.size()), **kwargs)
-        for name, param in self.module.named_parameters():  # fully_shard replaced the parameters
-            if name in by_name:
-                by_name[name].param = param
 
     def _build_units(self, groups: list[dict]) -> list:
         units, self._units_by_group = [], []
@@ -333,7 +290,7 @@ class Engine:
         with context:
             output = self.module(*args, **kwargs)
         if self._fully_shard and not (torch.is_grad_enabled() and self.module.training):
-            self._reshard()
+            fsdp.reshard(self.module)
         if self._stats is not None and self.module.training and torch.is_grad_enabled():
             self._stats.collect()
         if torch.is_grad_enabled():
@@ -341,20 +298,6 @@ class Engine:
                               and t.is_floating_point() else t, output)
         self._timers["forward"] += time.perf_counter() - start
         return output
-
-    def _reshard(self) -> None:
-        """Shard the parameters again after a forward that no backward follows (an evaluation pass, with
-        or without grad mode), and before a checkpoint's collectives.
-
-        fully_shard leaves the root module's parameters gathered after its forward, for the backward;
-        without one, a checkpoint written next sent the ranks' collectives out of step (a hang). A
-        backward that does follow an evaluation forward gathers them again.
-        """
-        from torch.distributed.fsdp import FSDPModule
-
-        for module in self.module.modules():
-            if isinstance(module, FSDPModule):
-                module.reshard()
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> None:
         """loss.backward() with the loss scale and the 1 / gradient_accumulation_steps factor applied."""
@@ -414,9 +357,9 @@ class Engine:
                 proxy.grad.mul_(coefficient.to(proxy.grad.device, proxy.grad.dtype))
         self.optimizer.step()
         for unit in self.units:
-            if unit.swapped:
-                unit.master.copy_(unit.proxy.detach())
-                unit.proxy.data = torch.empty(0, dtype=self.state_dtype, device=unit.master.device)
+            if unit.steps_on_copy:
+                unit.weights.copy_(unit.proxy.detach())
+                unit.proxy.data = torch.empty(0, dtype=self.state_dtype, device=unit.weights.device)
             unit.proxy.grad = None
             unit.write_back()
         self.zero_grad()
@@ -466,8 +409,8 @@ class Engine:
         proxies, inverse = [], 1.0 / self.loss_scale
         for unit, grad in zip(self.units, grads):
             proxy = unit.proxy
-            if unit.swapped:  # bf16 master weights with fp32 optimizer states: step on an fp32 copy
-                proxy.data = unit.master.to(self.state_dtype)
+            if unit.steps_on_copy:  # bf16 master weights with fp32 optimizer states: step on an fp32 copy
+                proxy.data = unit.weights.to(self.state_dtype)
             converted = grad.to(proxy.device, proxy.dtype)
             if inverse != 1.0:
                 converted = converted * inverse if converted is grad else converted.mul_(inverse)
@@ -534,55 +477,25 @@ class Engine:
             print(f"rank {self.rank} memory: {self.memory_breakdown()}", flush=True)
 
     def _write_statistics(self) -> None:
-        """This step's loss, lr, loss scale, timing and routing to TensorBoard (DeepSpeed's tags too)."""
-        loss, layers = self._stats.reduce()  # a collective: every rank takes part
+        """Sum this step's loss and routing over the ranks (a collective); rank 0's monitor writes them."""
+        loss, layers = self._stats.reduce()
         self.last_routing_stats = layers
         now = time.perf_counter()
         seconds, self._step_started = now - (self._step_started or now), None
-        if self.monitor is None:
-            return
-        step, samples = self.global_steps, self._samples()
-        scalars = {"Train/lr": self.get_lr()[0], "Train/loss_scale": self.loss_scale,
-                   "Train/step_time_ms": seconds * 1000}
-        if seconds > 0:
-            scalars["Train/samples_per_s"] = self.config.train_batch_size / seconds
-        deepspeed = {"Train/Samples/lr": self.get_lr()[0], "Train/Samples/loss_scale": self.loss_scale}
-        if loss is not None:
-            scalars["Train/loss"] = deepspeed["Train/Samples/train_loss"] = loss
-        self.monitor.scalars(step, scalars)
-        self.monitor.scalars(samples, deepspeed)
-        self.monitor.routing(step, layers, pictures=step == 1 or step % _PICTURE_INTERVAL == 0)
+        if self.monitor is not None:
+            self.monitor.train_step(self.global_steps, self._samples(), self.get_lr()[0], self.loss_scale, seconds,
+                                    self.config.train_batch_size, loss, layers)
 
     # Memory and state.
 
     def memory_breakdown(self) -> dict:
-        """This rank's bytes of model states: parameters, gradients and optimizer states.
-
-        Master weights kept apart from the model's parameters (fp32 copies of fp16/bf16 weights) count
-        as optimizer states, as in the ZeRO paper's accounting.
+        """This rank's bytes of model states: parameters, gradients and optimizer states (optim.memory).
 
         Returns:
             {"parameters", "gradients", "optimizer_states", "total"} in bytes, and the same three for
             "dense" and "expert" parameters separately.
         """
-        parts = {kind: {"parameters": 0, "gradients": 0, "optimizer_states": 0} for kind in ("dense", "expert")}
-        managed = set()
-        for unit in self.units:
-            kind = parts["expert" if unit.expert else "dense"]
-            held = unit.tensors()
-            kind["parameters"] += sum(_nbytes(t) for t in held["parameters"])
-            kind["gradients"] += sum(_nbytes(t) for t in held["gradients"])
-            kind["optimizer_states"] += sum(_nbytes(t) for t in held["master"])
-            for value in self.optimizer.state.get(unit.proxy, {}).values():
-                if isinstance(value, torch.Tensor):
-                    kind["optimizer_states"] += _nbytes(value)
-            managed.update(id(info.param) for info in unit.infos)
-        for param in self.module.parameters():
-            if id(param) not in managed:  # frozen parameters
-                parts["dense"]["parameters"] += _nbytes(param.to_local() if hasattr(param, "to_local") else param)
-        report = {key: parts["dense"][key] + parts["expert"][key] for key in parts["dense"]}
-        report["total"] = sum(report.values())
-        return {**report, **parts}
+        return model_state_bytes(self.units, self.optimizer, self.module)
 
     def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict | None = None,
                         save_latest: bool = True) -> str:
@@ -615,7 +528,7 @@ class Engine:
     def _settle(self) -> None:
         """Before collectives outside a training step: parameters sharded, units on the live storage."""
         if self._fully_shard:
-            self._reshard()
+            fsdp.reshard(self.module)
         for unit in self.units:
             unit.refresh(self.module)
 
@@ -623,15 +536,6 @@ class Engine:
 def read_flag(flag: torch.Tensor) -> bool:
     """A device flag read on the host (a sync); the one place the engine's step reads a device value."""
     return bool(flag.item())
-
-
-def _first_name(prefix: str, module: nn.Module) -> str:
-    name = next(n for n, p in module.named_parameters() if p.requires_grad)
-    return f"{prefix}.{name}" if prefix else name
-
-
-def _nbytes(tensor: torch.Tensor) -> int:
-    return tensor.numel() * tensor.element_size()
 
 
 def initialize(model: nn.Module, model_parameters=None, config=None, training_data=None, optimizer=None,

@@ -1,4 +1,9 @@
-"""Memory as it is: the bytes a stretch of work really allocates, beside `memory_breakdown()`'s accounting.
+"""Memory: the accounting of model states (`model_state_bytes`, the engine's `memory_breakdown()`) and
+the bytes a stretch of work really allocates (`LiveBytes`).
+
+`model_state_bytes` counts what the ZeRO units hold by kind, as the ZeRO paper's accounting does:
+master weights kept apart from the model's parameters (fp32 copies of fp16/bf16 weights) count as
+optimizer states.
 
 `LiveBytes` is a TorchDispatchMode that watches every tensor storage created under it until it is
 freed (as a caching allocator would hold it): `live` is what those storages hold now, `peak` the
@@ -13,7 +18,43 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["LiveBytes"]
+__all__ = ["LiveBytes", "model_state_bytes"]
+
+
+def model_state_bytes(units, optimizer: torch.optim.Optimizer, module: torch.nn.Module) -> dict:
+    """This rank's bytes of parameters, gradients and optimizer states.
+
+    Args:
+        units: the engine's ZeRO units (optim.zero.Unit).
+        optimizer: the optimizer stepping on the units' proxies.
+        module: the model (its frozen parameters count as dense parameters).
+
+    Returns:
+        {"parameters", "gradients", "optimizer_states", "total"} in bytes, and the same three for
+        "dense" and "expert" parameters separately.
+    """
+    parts = {kind: {"parameters": 0, "gradients": 0, "optimizer_states": 0} for kind in ("dense", "expert")}
+    managed = set()
+    for unit in units:
+        kind = parts["expert" if unit.expert else "dense"]
+        held = unit.tensors()
+        kind["parameters"] += sum(_nbytes(t) for t in held["parameters"])
+        kind["gradients"] += sum(_nbytes(t) for t in held["gradients"])
+        kind["optimizer_states"] += sum(_nbytes(t) for t in held["master"])
+        for value in optimizer.state.get(unit.proxy, {}).values():
+            if isinstance(value, torch.Tensor):
+                kind["optimizer_states"] += _nbytes(value)
+        managed.update(id(info.param) for info in unit.infos)
+    for param in module.parameters():
+        if id(param) not in managed:  # frozen parameters
+            parts["dense"]["parameters"] += _nbytes(param.to_local() if hasattr(param, "to_local") else param)
+    report = {key: parts["dense"][key] + parts["expert"][key] for key in parts["dense"]}
+    report["total"] = sum(report.values())
+    return {**report, **parts}
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
 
 
 class LiveBytes(TorchDispatchMode):

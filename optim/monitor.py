@@ -17,9 +17,12 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from einops import repeat
 from torch import nn
 
 __all__ = ["LayerStats", "Monitor", "StepStats"]
+
+PICTURE_INTERVAL = 10  # steps between expert-load histograms and heatmaps (scalars: every step)
 
 
 @dataclass(frozen=True)
@@ -149,6 +152,20 @@ class Monitor:
         for tag, value in values.items():
             self.writer.add_scalar(tag, value, step)
 
+    def train_step(self, step: int, samples: int, lr: float, loss_scale: float, seconds: float, batch_size: int,
+                   loss: float | None, layers: list[LayerStats]) -> None:
+        """One optimizer step: loss, lr, loss scale, step time and samples/s by step, DeepSpeed's
+        `Train/Samples/*` tags by samples seen, and the routing (pictures every `PICTURE_INTERVAL` steps)."""
+        scalars = {"Train/lr": lr, "Train/loss_scale": loss_scale, "Train/step_time_ms": seconds * 1000}
+        if seconds > 0:
+            scalars["Train/samples_per_s"] = batch_size / seconds
+        deepspeed = {"Train/Samples/lr": lr, "Train/Samples/loss_scale": loss_scale}
+        if loss is not None:
+            scalars["Train/loss"] = deepspeed["Train/Samples/train_loss"] = loss
+        self.scalars(step, scalars)
+        self.scalars(samples, deepspeed)
+        self.routing(step, layers, pictures=step == 1 or step % PICTURE_INTERVAL == 0)
+
     def routing(self, step: int, layers: list[LayerStats], pictures: bool = True) -> None:
         """l_aux, z-loss, dropped fraction and MaxVio (mean over layers and per layer), the expert bias's
         range where there is one; with `pictures`, also
@@ -205,5 +222,5 @@ def load_heatmap(loads: list[torch.Tensor], cell: int | None = None) -> torch.Te
         white = torch.tensor([1.0, 1.0, 1.0], dtype=torch.float64)
         colour = white - over * torch.tensor([0.0, 1.0, 1.0]) - under * torch.tensor([1.0, 1.0, 0.0])
         image[row, :len(load)] = (colour * 255).round().to(torch.uint8)
-    return image.repeat_interleave(cell, 0).repeat_interleave(cell, 1)
+    return repeat(image, "h w rgb -> (h dh) (w dw) rgb", dh=cell, dw=cell)  # each load a cell x cell square
 

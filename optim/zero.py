@@ -14,12 +14,15 @@ unit's `proxy` parameter (this rank's piece of the master weights):
 Dense parameters reduce over the data-parallel group and expert parameters over their
 expert-data-parallel group; either way the sum is divided by the data-parallel world size, because an
 expert's gradient must be the average over every token of the global batch (the one-process run).
-Master weights are separate fp32 copies when the model computes in fp16/bf16, otherwise the proxy
-is the model's own storage.
+A unit's `weights` are this rank's piece of the weights the optimizer updates: a separate master copy
+(fp32 when the model computes in fp16/bf16, or in host memory when offloaded), otherwise a view of the
+model's own storage. Both kinds of unit implement the `Unit` protocol, which is all the engine and
+checkpoints use.
 """
 
 import math
 from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
@@ -28,7 +31,7 @@ from torch import nn
 from optim.buckets import FlatShard
 from parallel import data_before_expert, expert_ids, is_moe_param
 
-__all__ = ["FlatGroup", "ParamInfo", "ShardedParam", "describe_parameters", "row_major_boxes", "shard_placement"]
+__all__ = ["FlatGroup", "ParamInfo", "ShardedParam", "Unit", "describe_parameters", "row_major_boxes", "shard_placement"]
 
 
 @dataclass
@@ -93,6 +96,62 @@ def _reduce(tensor: torch.Tensor, group, divisor: float) -> None:
         tensor.copy_(wire)
 
 
+@runtime_checkable
+class Unit(Protocol):
+    """A holder of parameters, their gradients and this rank's piece of their weights (FlatGroup, ShardedParam).
+
+    Attributes:
+        infos: the parameters held, in order.
+        expert: whether they are expert parameters.
+        weights: this rank's piece of the weights the optimizer updates: a separate master copy or a
+            view of the model's own storage.
+        proxy: the parameter the optimizer steps on: `weights` itself, or, with `steps_on_copy`, an
+            empty parameter that the engine fills with a copy in the optimizer's dtype at each step.
+        steps_on_copy: the optimizer's states have another dtype than `weights` (bf16 master weights
+            with fp32 optimizer states), so it steps on a copy that is written back after the step.
+
+    The engine calls, per micro-batch, `micro_step`; at the accumulation boundary `refresh`, `reduce`,
+    `grad`, then the optimizer step and `write_back`; `zero_grad` after it. A method with nothing to
+    do for one kind of unit (stage 3's reduction is FSDP's) returns at once.
+    """
+
+    infos: list[ParamInfo]
+    expert: bool
+    weights: torch.Tensor
+    proxy: nn.Parameter
+    steps_on_copy: bool
+
+    def refresh(self, module: nn.Module) -> None:
+        """Follow parameters whose storage the user replaced, where the unit can."""
+
+    def micro_step(self) -> None:
+        """After each backward: take in the micro-batch's gradients."""
+
+    def reduce(self) -> None:
+        """At the accumulation boundary: finish reducing gradients over the reduction group."""
+
+    def grad(self) -> torch.Tensor:
+        """This rank's reduced gradient, shaped like `weights`."""
+
+    def counts_once(self) -> bool:
+        """Whether this rank's gradient counts in the global norm (a replicated one counts on one rank)."""
+
+    def write_back(self) -> None:
+        """After the step: the model's parameters take the stepped weights."""
+
+    def zero_grad(self) -> None:
+        """Clear the gradients (their buffers are kept)."""
+
+    def gather(self, piece: torch.Tensor) -> list[torch.Tensor]:
+        """Full per-parameter tensors from this rank's piece of a tensor shaped like `weights` (collective)."""
+
+    def boxes(self, local: torch.Tensor) -> list[tuple[ParamInfo, tuple[int, ...], torch.Tensor]]:
+        """What `local` (shaped like `weights`) holds of each parameter: (info, offsets, view) per box."""
+
+    def tensors(self) -> dict[str, list[torch.Tensor]]:
+        """The tensors held, by kind ("parameters", "gradients", "master"), for the memory report."""
+
+
 class FlatGroup:
     """One param group's parameters in one flat buffer, sharded over `group` (stages 0-2).
 
@@ -128,13 +187,13 @@ class FlatGroup:
                 param.data = self.flat[offset : offset + numel].view_as(param)
         own = self.flat[self.lo : self.lo + self.shard]
         separate = self.separate = master_dtype != dtype or master_device != device
-        self.master = own.to(master_device, master_dtype, copy=True) if separate else own
+        self.weights = own.to(master_device, master_dtype, copy=True) if separate else own
         if separate and master_device.type == "cpu" and device.type == "cuda":
-            self.master = self.master.pin_memory()
+            self.weights = self.weights.pin_memory()
         self.state_dtype = state_dtype
-        self.swapped = state_dtype != master_dtype
-        self.proxy = nn.Parameter(self.master if state_dtype == master_dtype
-                                  else torch.empty(0, dtype=state_dtype, device=self.master.device),
+        self.steps_on_copy = state_dtype != master_dtype
+        self.proxy = nn.Parameter(self.weights if state_dtype == master_dtype
+                                  else torch.empty(0, dtype=state_dtype, device=self.weights.device),
                                   requires_grad=True)
         # bf16 gradients accumulate over micro-batches in the master dtype (fp32 unless bf16 master
         # weights were asked for), as DeepSpeed's bf16 optimizer does: summing many bf16 micro-batch
@@ -209,7 +268,7 @@ class FlatGroup:
         """Copy the stepped master into the model's flat buffer and share the slices."""
         own = self.flat[self.lo : self.lo + self.shard]
         if self.separate:
-            own.copy_(self.master)
+            own.copy_(self.weights)
         if self.stage >= 1 and self.group is not None:  # in place: this rank's slice is its own input (NCCL and gloo)
             dist.all_gather_single(self.flat, own, group=self.group)
 
@@ -257,7 +316,7 @@ class FlatGroup:
         """Bytes held, by kind, for the memory report."""
         grads = [self.flat_grad if self.flat_grad is not None else self.grad_shard]
         return {"parameters": [self.flat], "gradients": grads,
-                "master": [self.master] if self.separate else []}
+                "master": [self.weights] if self.separate else []}
 
 
 def shard_placement(size: int):
@@ -297,11 +356,11 @@ class ShardedParam:
         self.group = self.mesh.get_group()
         self.group_size, self.group_rank = self.mesh.size(), self.mesh.get_local_rank()
         self.dim = param.placements[0].dim if param.dim() else 0
-        self.master = param.detach().to_local()  # the live local shard, outside autograd
+        self.weights = param.detach().to_local()  # the live local shard, outside autograd
         self.state_dtype = state_dtype
-        self.swapped = state_dtype != self.master.dtype
-        self.proxy = nn.Parameter(self.master if state_dtype == self.master.dtype
-                                  else torch.empty(0, dtype=state_dtype, device=self.master.device),
+        self.steps_on_copy = state_dtype != self.weights.dtype
+        self.proxy = nn.Parameter(self.weights if state_dtype == self.weights.dtype
+                                  else torch.empty(0, dtype=state_dtype, device=self.weights.device),
                                   requires_grad=True)
         self.rows = param.shape[self.dim] if param.dim() else 1
         self.chunk = math.ceil(self.rows / self.group_size)
@@ -316,29 +375,30 @@ class ShardedParam:
         if not hasattr(param, "to_local"):  # gathered for a forward no backward followed: nothing moved
             return
         local = param.detach().to_local()
-        if param is self.infos[0].param and local.data_ptr() == self.master.data_ptr() and local.shape == self.master.shape:
+        if param is self.infos[0].param and local.data_ptr() == self.weights.data_ptr() and local.shape == self.weights.shape:
             return
-        self.infos[0].param, self.master = param, local
-        if not self.swapped:
+        self.infos[0].param, self.weights = param, local
+        if not self.steps_on_copy:
             self.proxy.data = local
         if param.grad is None:
             with torch.no_grad():
                 param.grad = torch.zeros_like(param)
 
     def micro_step(self) -> None:
-        pass
+        """Nothing to take in: FSDP's reduce-scatter accumulates into the sharded gradient."""
 
     def reduce(self) -> None:
-        pass
+        """Nothing left: FSDP reduced the gradients during the backward."""
 
     def grad(self) -> torch.Tensor:
         return self.infos[0].param.grad.to_local()
 
     def counts_once(self) -> bool:
+        """Always: every rank holds a distinct shard."""
         return True
 
     def write_back(self) -> None:
-        pass
+        """Nothing to copy: the weights are the parameter's own local shard."""
 
     def zero_grad(self) -> None:
         param = self.infos[0].param
@@ -373,7 +433,7 @@ class ShardedParam:
 
     def tensors(self) -> dict[str, list[torch.Tensor]]:
         grad = self.infos[0].param.grad
-        return {"parameters": [self.master], "gradients": [grad.to_local()] if grad is not None else [], "master": []}
+        return {"parameters": [self.weights], "gradients": [grad.to_local()] if grad is not None else [], "master": []}
 
 
 def row_major_boxes(shape: tuple[int, ...], start: int, stop: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:

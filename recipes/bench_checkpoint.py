@@ -117,7 +117,7 @@ def main(argv=None) -> dict:
     logits, l_aux, _ = engine(tokens)
     engine.backward(torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens.flatten()) + 0.01 * l_aux)
     engine.step()
-    shard = sum(unit.master.numel() * (4 + 8) for unit in engine.units)  # fp32 master + AdamW's two states
+    shard = sum(unit.weights.numel() * (4 + 8) for unit in engine.units)  # fp32 master + AdamW's two states
 
     own = not cfg.folder
     folder = [tempfile.mkdtemp(prefix="bench_checkpoint_") if rank == 0 and own else cfg.folder]

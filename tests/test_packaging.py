@@ -4,7 +4,10 @@ imports itself back through others."""
 import ast
 import importlib
 import importlib.metadata
+import os
 import pathlib
+import subprocess
+import sys
 
 import pytest
 
@@ -125,3 +128,26 @@ def test_the_cycle_finder_sees_a_cycle_through_a_function_level_import(tmp_path)
     modules = {_module_name(p, tmp_path) for p in paths}
     graph = {_module_name(p, tmp_path): _module_edges(p, modules, tmp_path) for p in paths}
     assert _cycle(graph) == ["pkg.a", "pkg.b", "pkg.a"]
+
+
+def test_a_cpu_install_needs_no_triton():
+    """triton is only in extras (torch's CUDA builds bring their own), and the CPU path runs with it unimportable."""
+    requirements = importlib.metadata.requires("exactmoe") or []
+    plain = [r for r in requirements if r.lower().startswith("triton") and "extra ==" not in r]
+    assert not plain, f"triton is a plain dependency: {plain}"
+    code = (
+        "import sys; sys.modules['triton'] = None\n"  # any import of triton now raises ImportError
+        "import torch\n"
+        "from moe import MoE\n"
+        "from optim import initialize\n"
+        "torch.manual_seed(0)\n"
+        "layer = MoE(8, torch.nn.Linear(8, 8), num_experts=4, k=2)\n"
+        "engine, *_ = initialize(layer, config={'train_batch_size': 4, 'optimizer': {'type': 'AdamW', 'params': {'lr': 0.1}}})\n"
+        "out, l_aux, _ = engine(torch.randn(4, 8))\n"
+        "engine.backward(out.square().mean() + l_aux)\n"
+        "engine.step()\n"
+        "print('stepped', engine.global_steps)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("MOE_KERNELS", "TRITON_INTERPRET")}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
+    assert done.returncode == 0 and "stepped 1" in done.stdout, done.stderr[-2000:]

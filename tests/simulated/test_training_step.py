@@ -146,6 +146,7 @@ def test_checkpoint_pieces_stay_on_the_device_and_tile_each_shard(monkeypatch, w
     its entry, and together exactly this rank's shard of the masters and optimizer states (stage 0: the
     first rank of each group writes everything it holds)."""
     from optim import checkpoint
+    from optim.zero import Unit
 
     cfg = gpt.TrainConfig(n_layer=2, n_head=2, n_embd=32, ffn=64, seq_len=16, batch_size=2, num_experts=8,
                           top_k=2, ep_world_size=ep, stage=stage, steps=10)
@@ -153,6 +154,7 @@ def test_checkpoint_pieces_stay_on_the_device_and_tile_each_shard(monkeypatch, w
         engine = _gpt_engine(cfg)
         tokens = torch.randint(256, (cfg.batch_size, cfg.seq_len + 1))
         gpt.train_step(engine, cfg, tokens[:, :-1], tokens[:, 1:])
+        assert engine.units and all(isinstance(unit, Unit) for unit in engine.units)  # every member of the protocol
         boxes = checkpoint._boxes_to_write(engine)
         written = {"model": 0, "optim": 0}
         for key, (size, views) in boxes.items():
@@ -161,7 +163,7 @@ def test_checkpoint_pieces_stay_on_the_device_and_tile_each_shard(monkeypatch, w
                 assert all(0 <= o and o + n <= s for o, n, s in zip(offsets, view.shape, size)), (key, offsets, size)
                 if key.startswith(("model/", "optim/")):
                     written[key.split("/")[0]] += view.numel()
-        held = sum(unit.master.numel() - _padding(unit) for unit in engine.units if unit.counts_once())
+        held = sum(unit.weights.numel() - _padding(unit) for unit in engine.units if unit.counts_once())
         assert written["model"] == held
         assert written["optim"] == held * 2 + sum(  # AdamW's exp_avg and exp_avg_sq, and
             len(i.keys()) for u in engine.units if checkpoint._owner(engine, u) for i in u.infos)  # its step counters
