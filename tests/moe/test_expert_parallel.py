@@ -149,7 +149,8 @@ def _weights_at_every_ep_size(rank, world):
             assert len(by_ep[ep_size]) == L
             for local, tensors in enumerate(by_ep[ep_size]):
                 for a, b in zip(tensors, full[first + local], strict=True):
-                    assert torch.equal(a, b), f"{kind}: ep {ep_size} rank {rank} expert {first + local} differs from ep 1"
+                    assert torch.equal(a, b), \
+                        f"{kind}: ep {ep_size} rank {rank} expert {first + local} differs from ep 1"
 
 
 def test_per_expert_seed_weights_are_the_same_at_ep_1_2_and_4():
