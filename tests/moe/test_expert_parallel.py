@@ -115,11 +115,46 @@ def test_layouts_and_data_before_expert_ordering():
         expert_layout(6, 4)
 
 
-def test_per_expert_seed_weights_do_not_depend_on_layout():
-    a = _layer(1, 1, "dropless").deepspeed_moe.experts.weight1
-    assert not torch.equal(a[0], a[1]), "experts get distinct weights"
-    b = _layer(1, 1, "dropless").deepspeed_moe.experts.weight1
-    assert torch.equal(a, b)
+EXPERTS = {"stacked MLP": lambda: nn.Sequential(nn.Linear(M, H), nn.GELU(), nn.Linear(H, M)),
+           "Linear modules": lambda: nn.Linear(M, M)}
+
+
+def _per_expert(experts):
+    """Each local expert's tensors, in one order for both ways of holding experts."""
+    if experts.stacked:
+        return [[p[local] for p in (experts.weight1, experts.bias1, experts.weight2, experts.bias2)]
+                for local in range(experts.num_local_experts)]
+    return [[p.detach() for p in module.parameters()] for module in experts.deepspeed_experts]
+
+
+def _weights_at_every_ep_size(rank, world):
+    for kind, make_expert in EXPERTS.items():
+        by_ep = {}
+        for ep_size in (1, 2, 4):
+            reset_groups()
+            torch.manual_seed(1000 * ep_size + rank)  # the global RNG differs by layout and rank: it must not matter
+            layer = MoE(M, make_expert(), num_experts=E, ep_size=ep_size, min_capacity=0,
+                        expert_init="per_expert_seed", seed=3)
+            assert layer.deepspeed_moe.experts.stacked == (kind == "stacked MLP"), kind
+            by_ep[ep_size] = _per_expert(layer.deepspeed_moe.experts)
+        full = by_ep[1]
+        assert len(full) == E and not torch.equal(full[0][0], full[1][0]), f"{kind}: experts get distinct weights"
+        flat = torch.cat([t.reshape(-1) for tensors in full for t in tensors])
+        from_rank0 = flat.clone()
+        dist.broadcast(from_rank0, src=0)
+        assert torch.equal(flat, from_rank0), f"{kind}: ep 1 weights differ between rank 0 and rank {rank}"
+        for ep_size in (2, 4):
+            L = E // ep_size
+            first = expert_groups(ep_size).ep_rank * L
+            assert len(by_ep[ep_size]) == L
+            for local, tensors in enumerate(by_ep[ep_size]):
+                for a, b in zip(tensors, full[first + local], strict=True):
+                    assert torch.equal(a, b), \
+                        f"{kind}: ep {ep_size} rank {rank} expert {first + local} differs from ep 1"
+
+
+def test_per_expert_seed_weights_are_the_same_at_ep_1_2_and_4():
+    run_distributed(_weights_at_every_ep_size, 4, timeout_s=90)
 
 
 def test_ep_size_1_runs_no_collectives(monkeypatch):

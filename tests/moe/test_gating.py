@@ -24,10 +24,20 @@ def _logits(choices, num_experts, margin=4.0):
     return logits
 
 
-def _balance(logits, first_choice, num_experts, k=1):
-    gates = F.softmax(logits.float(), dim=1)
-    counts = torch.bincount(first_choice, minlength=num_experts).float()
-    return num_experts * torch.sum(gates.mean(0) * counts / (logits.shape[0] * k))
+def _deepspeed_l_aux(logits, chosen_SK, k):
+    """DeepSpeed's balance loss as sharded_moe writes it: mean(me * ce) * E * E / k, with me the mean gate
+    probability per expert and ce the mean of the [S, E] mask of the counted choices (top-1 and top-2 count
+    first choices with k = 1, top-k counts all k choices). Choices are counted before capacity drops."""
+    gates = F.softmax(logits.double(), dim=1)
+    num_experts = gates.shape[1]
+    mask = torch.zeros_like(gates).scatter_(1, chosen_SK, 1.0)
+    me, ce = gates.mean(0), mask.mean(0)
+    return (torch.mean(me * ce) * num_experts * num_experts / k).float()
+
+
+# Probabilities in sixteenths, so that every balance loss below is a fraction computed by hand.
+# first choices: 0, 0, 1, 3; second choices: 1, 2, 2, 1
+HAND_PROBS = torch.tensor([[8, 4, 3, 1], [8, 1, 4, 3], [1, 8, 4, 3], [3, 4, 1, 8]], dtype=torch.float32) / 16
 
 
 def test_capacity_formula_and_min_capacity():
@@ -49,8 +59,34 @@ def test_top1_first_come_drops_weights_counts_and_loss():
     gates = F.softmax(logits, dim=1)
     expected = torch.tensor([gates[s, c] if c >= 0 else 0.0 for s, c in enumerate(plan.expert_idx_SK[:, 0].tolist())])
     torch.testing.assert_close(plan.weight_SK[:, 0], expected, rtol=RTOL, atol=ATOL)
-    torch.testing.assert_close(plan.l_aux, _balance(logits, torch.tensor(choices), 4), rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(plan.l_aux, _deepspeed_l_aux(logits, torch.tensor(choices).unsqueeze(1), 1),
+                               rtol=RTOL, atol=ATOL)
     torch.testing.assert_close(plan.z_loss, torch.logsumexp(logits, 1).square().mean(), rtol=RTOL, atol=ATOL)
+
+
+def test_balance_loss_equals_hand_counts_in_deepspeed_form():
+    """l_aux = mean(me * ce) * E * E / k on HAND_PROBS, worked out by hand (and checked once against DeepSpeed).
+
+    me, the mean probability per expert, is [20, 17, 12, 15] / 64.
+    top-1 and top-2 count first choices with k = 1: ce = [2, 1, 0, 1] / 4, so
+        l_aux = 16 * mean(me * ce) = 4 * (40 + 17 + 0 + 15) / 256 = 9 / 8,
+        the same when capacity 1 drops token 1's choice: choices are counted before drops.
+    top-1 with token 1 unused: ce = [1, 1, 0, 1] / 4 (still over 4 tokens): 4 * (20 + 17 + 15) / 256 = 13 / 16.
+    top-k with k = 2 counts both choices: ce = [2, 3, 2, 1] / 4, so
+        l_aux = 16 / 2 * mean(me * ce) = 2 * (40 + 51 + 24 + 15) / 256 = 65 / 64.
+    """
+    logits = HAND_PROBS.log()
+    top1 = top1gating(logits, 1.0, 0, use_rts=False)
+    assert top1.capacity == 1 and top1.expert_idx_SK[:, 0].tolist() == [0, -1, 1, 3]
+    assert abs(top1.l_aux.item() - 9 / 8) < 1e-6
+    unused = top1gating(logits, 4.0, 0, used_token=torch.tensor([1, 0, 1, 1]), use_rts=False)
+    assert abs(unused.l_aux.item() - 13 / 16) < 1e-6
+    top2 = top2gating(logits, 1.0, 0, top2_2nd_expert_sampling=False)
+    assert top2.expert_idx_SK.tolist() == [[0, 1], [0, 2], [1, 2], [3, -1]]  # capacity 2: token 3's second dropped
+    assert abs(top2.l_aux.item() - 9 / 8) < 1e-6
+    topk = topkgating(logits, 2, 4.0, 0)
+    assert sorted(map(sorted, topk.expert_idx_SK.tolist())) == [[0, 1], [0, 2], [1, 2], [1, 3]]
+    assert abs(topk.l_aux.item() - 65 / 64) < 1e-6
 
 
 def test_top1_random_token_selection_keeps_capacity_and_token_order():
@@ -107,7 +143,8 @@ def test_top2_slots_second_choices_after_first_and_renormalised():
     torch.testing.assert_close(plan.weight_SK[0], torch.stack([w0, 1 - w0]), rtol=RTOL, atol=ATOL)
     torch.testing.assert_close(plan.weight_SK[3], torch.tensor([1.0, 0.0]), rtol=RTOL, atol=ATOL)
     torch.testing.assert_close(plan.weight_SK[2], torch.tensor([1.0, 0.0]), rtol=RTOL, atol=ATOL)
-    torch.testing.assert_close(plan.l_aux, _balance(logits, torch.tensor([0, 0, 1, 0]), 3), rtol=RTOL, atol=ATOL)
+    first = torch.tensor([[0], [0], [1], [0]])  # DeepSpeed's top-2 loss counts first choices only
+    torch.testing.assert_close(plan.l_aux, _deepspeed_l_aux(logits, first, 1), rtol=RTOL, atol=ATOL)
 
 
 def test_top2_sampling_never_repeats_the_first_expert():
@@ -138,8 +175,8 @@ def test_topk_position_and_probs_policies():
     kept_any = probs.kept_SK.any(1)
     torch.testing.assert_close(total[kept_any], torch.ones(int(kept_any.sum())), rtol=RTOL, atol=ATOL)
     assert probs.exp_counts.tolist() == [4, 3, 1, 4]
-    expected = 4 / 3 * torch.sum(gates.mean(0) * torch.tensor([4.0, 3, 1, 4]) / (4 * 3))
-    torch.testing.assert_close(probs.l_aux, 3 * expected, rtol=RTOL, atol=ATOL)
+    top3 = torch.tensor([[0, 1, 3], [0, 1, 3], [0, 2, 3], [0, 1, 3]])  # every token's three best, before drops
+    torch.testing.assert_close(probs.l_aux, _deepspeed_l_aux(logits, top3, 3), rtol=RTOL, atol=ATOL)
 
 
 def _dense_reference(logits, k, capacity, policy):
@@ -193,16 +230,38 @@ def test_plans_match_dense_deepspeed_construction(k, policy, seed):
         plan = topkgating(logits, k, 0.8, 0, drop_policy=policy)
     combine, dispatch = plan.dense()
     expected = _dense_reference(logits, k, plan.capacity, policy)
+    counted = logits.argmax(1, keepdim=True) if k <= 2 else torch.topk(logits, k, 1).indices
+    torch.testing.assert_close(plan.l_aux, _deepspeed_l_aux(logits, counted, 1 if k <= 2 else k), rtol=RTOL, atol=ATOL)
     torch.testing.assert_close(combine, expected, rtol=RTOL, atol=ATOL)
     assert torch.equal(dispatch, expected > 0)
     assert combine.shape == (48, 6, plan.capacity)
 
 
-def test_gradients_flow_from_weights_to_logits():
-    logits = torch.randn(16, 4, requires_grad=True)
-    plan = top2gating(logits, 2.0, 0, top2_2nd_expert_sampling=False)
-    (plan.weight_SK.sum() * 0 + (plan.weight_SK ** 2).sum() + plan.l_aux + plan.z_loss).backward()
-    assert logits.grad is not None and logits.grad.abs().sum() > 0
+@pytest.mark.parametrize("k", [1, 2])
+def test_gradients_flow_from_combine_weights_to_logits(k):
+    """A loss of the combine weights alone (no l_aux, no z_loss) gives the logits the gradient of
+    softmax -> gather the chosen experts (-> renormalise over the kept choices for top-2)."""
+    torch.manual_seed(0)
+    logits = torch.randn(16, 4, dtype=torch.float64, requires_grad=True)
+    coeff_SK = torch.randn(16, k, dtype=torch.float64)
+    if k == 1:
+        plan = top1gating(logits, 0.5, 0, use_rts=False, load_balancing_type="none")
+    else:
+        plan = top2gating(logits, 0.5, 0, top2_2nd_expert_sampling=False, load_balancing_type="none")
+    assert bool((plan.expert_idx_SK < 0).any()), "some choices should be dropped here"
+    loss = (plan.weight_SK * coeff_SK).sum()
+    assert loss.requires_grad, "the combine weights carry no gradient"
+    loss.backward()
+    assert logits.grad.abs().sum() > 0, "no gradient reaches the logits from the weights"
+
+    reference = logits.detach().clone().requires_grad_()
+    kept_SK = plan.expert_idx_SK >= 0
+    chosen_SK = F.softmax(reference, 1).gather(1, plan.expert_idx_SK.clamp(min=0)) * kept_SK
+    if k == 2:
+        # a token whose choices were all dropped keeps weights 0: DeepSpeed clamps the denominator the same way
+        chosen_SK = chosen_SK / chosen_SK.sum(1, keepdim=True).clamp(min=torch.finfo(torch.float64).eps)
+    (chosen_SK * coeff_SK).sum().backward()
+    torch.testing.assert_close(logits.grad, reference.grad, rtol=1e-10, atol=1e-12)
 
 
 @pytest.mark.parametrize(
@@ -243,11 +302,63 @@ def test_gate_eval_uses_eval_capacity_and_no_noise():
     assert first.expert_idx_SK[:, 1].tolist() == logits.scatter(1, logits.argmax(1, keepdim=True), float("-inf")).argmax(1).tolist()
 
 
-def test_gate_computes_in_fp32_for_half_inputs():
-    gate = TopKGate(8, 4, k=1, min_capacity=0).bfloat16()
-    plan = gate(torch.randn(16, 8, dtype=torch.bfloat16))
-    assert plan.weight_SK.dtype == torch.float32 and gate.wg.weight.dtype == torch.bfloat16
-    assert isinstance(plan, Routing)
+@pytest.mark.parametrize("case", ["bf16 gate", "fp16 gate", "fp32 gate under bf16 autocast"])
+def test_gate_computes_logits_and_softmax_in_fp32_for_half_inputs(case):
+    """The plan equals routing fp32 logits of the same (half) values; a half computation lies outside the
+    tolerance, so the comparison tells the two apart."""
+    dtype = {"bf16 gate": torch.bfloat16, "fp16 gate": torch.float16}.get(case, torch.float32)
+    torch.manual_seed(0)
+    gate = TopKGate(64, 8, k=1, min_capacity=0, use_rts=False).to(dtype)
+    x = torch.randn(256, 64).to(dtype)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=case.endswith("autocast")):
+        plan = gate(x)
+        half = top1gating(F.linear(x, gate.wg.weight), 1.0, 0, use_rts=False)  # logits rounded to 16 bits
+    assert isinstance(plan, Routing) and gate.wg.weight.dtype == dtype
+    expected = top1gating(x.double() @ gate.wg.weight.double().t(), 1.0, 0, use_rts=False)
+    assert plan.weight_SK.dtype == torch.float32
+    assert torch.equal(plan.expert_idx_SK, expected.expert_idx_SK), "choices differ from routing fp32 logits"
+    torch.testing.assert_close(plan.weight_SK, expected.weight_SK.float(), rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(plan.z_loss, expected.z_loss.float(), rtol=RTOL, atol=ATOL)
+    assert not torch.allclose(half.weight_SK, expected.weight_SK.float(), rtol=RTOL, atol=ATOL), \
+        "a 16-bit computation should differ here beyond the tolerance"
+
+
+JITTER_EPS = 1e-2  # DeepSpeed's multiplicative_jitter epsilon
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_jitter_multiplies_the_gate_input_by_uniform_noise_in_training_only(k):
+    """Jitter alone (no random token selection, no second-expert sampling): in training the plan is that of
+    the logits of x * U(1 - eps, 1 + eps), the noise drawn as DeepSpeed draws it from the same RNG state;
+    in eval it is the plan of the logits of x."""
+    torch.manual_seed(0)
+    S, M, E = 512, 8, 8
+    gate = TopKGate(M, E, k=k, capacity_factor=float(E), eval_capacity_factor=float(E), min_capacity=0,
+                    noisy_gate_policy="Jitter", use_rts=False, top2_2nd_expert_sampling=False)
+    x = torch.randn(S, M)
+    weight = gate.wg.weight.detach()
+
+    def route(x_SM):
+        logits = x_SM @ weight.t()
+        if k == 1:
+            return top1gating(logits, float(E), 0, use_rts=False)
+        return top2gating(logits, float(E), 0, top2_2nd_expert_sampling=False)
+
+    torch.manual_seed(5)
+    plan = gate(x)
+    torch.manual_seed(5)
+    noise = (1 - JITTER_EPS) + 2 * JITTER_EPS * torch.rand(S, M)  # Uniform(1 - eps, 1 + eps).rsample
+    expected, clean = route(x * noise), route(x)
+    assert torch.equal(plan.expert_idx_SK, expected.expert_idx_SK), "training choices differ from x * noise"
+    torch.testing.assert_close(plan.weight_SK, expected.weight_SK, rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(plan.z_loss, expected.z_loss, rtol=RTOL, atol=ATOL)
+    assert not torch.equal(plan.expert_idx_SK, clean.expert_idx_SK), "the noise should move some choices here"
+
+    gate.eval()
+    evaluated = gate(x)
+    assert torch.equal(evaluated.expert_idx_SK, clean.expert_idx_SK), "eval choices differ from the noiseless ones"
+    torch.testing.assert_close(evaluated.weight_SK, clean.weight_SK, rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(evaluated.z_loss, clean.z_loss, rtol=RTOL, atol=ATOL)
 
 
 def test_non_finite_check_is_off_by_default(monkeypatch):

@@ -219,35 +219,110 @@ class _LinearExperts(torch.nn.Module):
         from moe import MoE
 
         torch.manual_seed(0)
-        self.moe = MoE(8, torch.nn.Linear(8, 8), num_experts=4, ep_size=ep_size, k=1, min_capacity=0,
+        self.moe = MoE(8, torch.nn.Linear(8, 8), num_experts=4, ep_size=ep_size, k=1, min_capacity=0, use_rts=False,
                        expert_init="per_expert_seed", seed=7)
 
     def forward(self, x):
         return self.moe(x)[0].square().mean()
 
 
-def _linear_experts_consolidate_and_reload(rank, world, folder):
+def _linear_engine(ep_size, stage):
     reset_groups()
-    engine, *_ = initialize(_LinearExperts(ep_size=2), config=config(2, 1, 0.0))
-    engine.backward(engine(torch.randn(6, 8, generator=torch.Generator().manual_seed(rank))))
+    engine, *_ = initialize(_LinearExperts(ep_size=ep_size), config=config(stage, 1, 0.0))
+    assert not engine.module.moe.deepspeed_moe.experts.stacked, "the experts should be per-expert modules"
+    return engine
+
+
+def _linear_step(engine, step, rank):
+    engine.backward(engine(torch.randn(6, 8, generator=torch.Generator().manual_seed(100 * step + rank))))
     engine.step()
+
+
+def _assert_states_close(actual, expected, what):
+    assert set(actual) == set(expected), what
+    for name, value in expected.items():
+        torch.testing.assert_close(actual[name], value, **FP32, msg=lambda m: f"{what}, {name}: {m}")
+
+
+def _linear_experts_consolidate_and_reload(rank, world, folder):
+    """Saved at ep 2, loaded at ep 1: the same weights, and the next step (AdamW, from the loaded moments)
+    equals the ep-2 run going on; saved at ep 1, loaded at ep 2: the next step equals ep 1's."""
+    engine = _linear_engine(2, 2)
+    _linear_step(engine, 0, rank)
     state = engine.consolidated_state_dict()
     engine.save_checkpoint(folder, tag="linear")
+    _linear_step(engine, 1, rank)
+    straight = engine.consolidated_state_dict()
     if rank == 0:
         names = set(_LinearExperts(ep_size=1).state_dict())
         assert set(state) == names, f"missing {sorted(names - set(state))}, extra {sorted(set(state) - names)}"
         torch.save(state, os.path.join(folder, "consolidated.pt"))
-    reset_groups()
-    other, *_ = initialize(_LinearExperts(ep_size=1), config=config(1, 1, 0.0))
+    other = _linear_engine(1, 1)
     other.load_checkpoint(folder, tag="linear")
     reloaded = other.consolidated_state_dict()
     if rank == 0:
         for name, value in torch.load(os.path.join(folder, "consolidated.pt"), weights_only=True).items():
             assert torch.equal(reloaded[name], value), f"{name} differs after loading at ep 1"
+    _linear_step(other, 1, rank)
+    after = other.consolidated_state_dict()
+    if rank == 0:
+        moved = [name for name in after if "experts" in name and not torch.equal(after[name], reloaded[name])]
+        assert len(moved) == 8, f"every expert weight and bias should move in the step, moved: {moved}"
+        _assert_states_close(after, straight, "the step after loading at ep 1 against ep 2 going on")
+
+    other.save_checkpoint(folder, tag="linear_ep1")
+    _linear_step(other, 2, rank)
+    ep1_next = other.consolidated_state_dict()
+    back = _linear_engine(2, 2)
+    back.load_checkpoint(folder, tag="linear_ep1")
+    _linear_step(back, 2, rank)
+    ep2_next = back.consolidated_state_dict()
+    if rank == 0:
+        _assert_states_close(ep2_next, ep1_next, "the step after loading at ep 2 against ep 1 going on")
 
 
 def test_per_expert_linear_experts_consolidate_and_reshard(tmp_path):
     run_distributed(_linear_experts_consolidate_and_reload, 2, str(tmp_path), timeout_s=120)
+
+
+def _net_engine(ep_size, stage):
+    reset_groups()
+    engine, *_ = initialize(Net(ep_size=ep_size), config=config(stage, 1, 0.0))
+    return engine
+
+
+def _net_step(engine, step, rank):
+    x, y = batch(step, 0, rank)
+    engine.backward(loss_of(engine(x), y))
+    engine.step()
+
+
+def _stage3_at_ep2_against_stage2(rank, world, folder):
+    """At world 2 / ep 2, per-module and stacked experts: a checkpoint of stage 2 loaded at stage 3, and one of
+    stage 3 loaded at stage 2; the next step equals the saving run going on."""
+    kinds = (("Linear experts", _linear_engine, _linear_step), ("stacked experts", _net_engine, _net_step))
+    for kind, make, step in kinds:
+        for saved, loaded in ((2, 3), (3, 2)):
+            tag = f"{kind[0]}{saved}{loaded}"
+            engine = make(2, saved)
+            step(engine, 0, rank)
+            engine.save_checkpoint(folder, tag=tag)
+            step(engine, 1, rank)
+            going_on = engine.consolidated_state_dict()
+            other = make(2, loaded)
+            other.load_checkpoint(folder, tag=tag)
+            step(other, 1, rank)
+            after = other.consolidated_state_dict()
+            if rank == 0:
+                _assert_states_close(after, going_on, f"{kind}, saved at stage {saved}, next step at stage {loaded}")
+
+
+@pytest.mark.xfail(strict=True, reason="known bug: at ep 2 a stage-3 engine and a stage-1/2 engine disagree "
+                   "on the expert optimizer states in a checkpoint (weights load, the next AdamW step differs by "
+                   "~3e-3); stage 3 at ep 1, and stage 3 to stage 3 at ep 2, resume exactly. Remove this mark with "
+                   "the fix.")
+def test_stage3_at_ep2_resumes_a_stage2_checkpoint_and_the_reverse(tmp_path):
+    run_distributed(_stage3_at_ep2_against_stage2, 2, str(tmp_path), timeout_s=180)
 
 
 FORMAT1 = os.path.join(os.path.dirname(__file__), os.pardir, "data", "checkpoint_v1")

@@ -1,4 +1,8 @@
-"""`memory_breakdown()` against the ZeRO paper's accounting, per rank, on 4 gloo processes with ep 2.
+"""Memory of a step, two kinds of test.
+
+Accounting: `memory_breakdown()` (the bytes of the tensors the engine holds, by its own bookkeeping)
+against the ZeRO paper's formula, per rank, on 4 gloo processes with ep 2. Measured: the storages a
+stage-2 step really allocates, followed by `optim.memory.LiveBytes`, against a bound (below).
 
 For psi parameters, world W and K bytes of optimizer state per parameter (Adam: 8 in fp32; 12 with
 fp32 master weights beside fp16/bf16 parameters): stage 0 holds P + G + K per parameter, stage 1
@@ -44,7 +48,8 @@ def _one_step(rank, stage, **extra):
 
 
 def _close(actual, expected, what):
-    assert abs(actual - expected) <= 0.05 * expected, f"{what}: {actual} bytes, ZeRO accounting says {expected:.0f}"
+    assert abs(actual - expected) <= 0.05 * expected, \
+        f"{what}: {actual} bytes accounted, the ZeRO formula says {expected:.0f}"
 
 
 def _check(rank, world):
@@ -73,7 +78,7 @@ def _check(rank, world):
             assert low["total"] <= 0.6 * mixed["total"], (stage, low["total"], mixed["total"])
 
 
-def test_memory_breakdown_follows_zero_accounting():
+def test_memory_breakdown_accounting_matches_zero_formula():
     run_distributed(_check, WORLD, timeout_s=400)
 
 
@@ -122,11 +127,11 @@ def _check_gradient_memory(rank, world):
     assert stage1_held >= gradients
 
 
-def test_stage2_gradient_memory_is_a_shard_plus_two_buckets():
+def test_stage2_gradient_memory_measured_is_a_shard_plus_two_buckets():
     run_distributed(_check_gradient_memory, 2, timeout_s=120)
 
 
-def test_live_bytes_counts_new_storages_not_views_of_older_ones():
+def test_live_bytes_measures_new_storages_not_views_of_older_ones():
     older = torch.zeros(1000)
     tracker = LiveBytes()
     with tracker:

@@ -1,4 +1,5 @@
-"""recipes.estimate: model states against the ZeRO accounting, activations growing with the micro-batch."""
+"""recipes.estimate: model states (the engine's accounting, memory_breakdown) against the ZeRO formula, activations
+(measured by LiveBytes) growing with the micro-batch."""
 
 import pytest
 
@@ -9,7 +10,7 @@ SMALL = ["--n-layer", "2", "--n-embd", "64", "--n-head", "2", "--ffn", "256", "-
 
 
 @pytest.mark.parametrize("stage, dtype", [(1, "bf16"), (3, "bf16"), (2, "fp32")])
-def test_model_states_follow_the_zero_accounting(stage, dtype, capsys):
+def test_model_states_accounting_matches_zero_formula(stage, dtype, capsys):
     result = estimate.main(SMALL + ["--stage", str(stage), "--dtype", dtype, "--micro-batch", "2"])
     for key, expected in result["zero"].items():
         assert abs(result["model_states"][key] - expected) <= 0.05 * expected, (key, result["model_states"][key], expected)
@@ -18,7 +19,7 @@ def test_model_states_follow_the_zero_accounting(stage, dtype, capsys):
     assert result["peak"] >= sum(result["model_states"].values()) + result["activations"]
 
 
-def test_activations_grow_with_the_micro_batch():
+def test_measured_activations_grow_with_the_micro_batch():
     a2, a4, a8 = (estimate.main(SMALL + ["--micro-batch", str(b)]) for b in (2, 4, 8))
     assert a2["model_states"] == a4["model_states"] == a8["model_states"]
     assert a2["activations"] < a4["activations"] < a8["activations"]
