@@ -46,7 +46,10 @@ def shard_model(module: nn.Module, infos: dict[int, ParamInfo], compute_dtype: t
         _, edp_mesh = data_meshes(groups.ep_size, groups.use_data_before_expert_parallel, device.type)
         fully_shard(expert_module, mesh=edp_mesh, shard_placement_fn=shard_placement(edp_mesh.size()), **kwargs)
         expert_module.set_gradient_divide_factor(float(world_size))
-        if dist.get_backend() == "gloo":  # gloo has no PREMUL_SUM; NCCL divides on the wire
+        if dist.get_backend() == "gloo" and edp_mesh.size() > 1:
+            # gloo has no PREMUL_SUM (NCCL divides on the wire), so sum, then divide. Not on a mesh of one
+            # rank: there fully_shard divides the unreduced gradient by the factor and then again after
+            # its (skipped) reduction, which would halve an expert's gradient at world 2 / ep 2.
             expert_module.set_force_sum_reduction_for_comms(True)
     dp_mesh, _ = data_meshes(1, device_type=device.type)
     fully_shard(module, mesh=dp_mesh, shard_placement_fn=shard_placement(dp_mesh.size()), **kwargs)

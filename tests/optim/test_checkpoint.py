@@ -317,10 +317,6 @@ def _stage3_at_ep2_against_stage2(rank, world, folder):
                 _assert_states_close(after, going_on, f"{kind}, saved at stage {saved}, next step at stage {loaded}")
 
 
-@pytest.mark.xfail(strict=True, reason="known bug: at ep 2 a stage-3 engine and a stage-1/2 engine disagree "
-                   "on the expert optimizer states in a checkpoint (weights load, the next AdamW step differs by "
-                   "~3e-3); stage 3 at ep 1, and stage 3 to stage 3 at ep 2, resume exactly. Remove this mark with "
-                   "the fix.")
 def test_stage3_at_ep2_resumes_a_stage2_checkpoint_and_the_reverse(tmp_path):
     run_distributed(_stage3_at_ep2_against_stage2, 2, str(tmp_path), timeout_s=180)
 

@@ -61,7 +61,7 @@ def _check_equivalence(rank, world, ep_size):
     all_reduce_sgd = {"zero_optimization": {"stage": 1, "reduce_bucket_size": 40, "overlap_comm": True}}
     layouts = [(stage, {}) for stage in (0, 1, 2, 3)] + [(2, extra) for extra in buckets] + [
         (extra["zero_optimization"]["stage"], extra) for extra in all_reduce] + [
-        (stage, {**extra, "optimizer": SGD_SMALL, "clip": 0}) for stage, extra in [(0, {}), (2, {})]
+        (stage, {**extra, "optimizer": SGD_SMALL, "clip": 0}) for stage, extra in [(0, {}), (2, {}), (3, {})]
         + [(2, extra) for extra in buckets[::2]] + [(1, all_reduce_sgd)]]
     for stage, extra in layouts:
         sgd = "clip" in extra
@@ -79,6 +79,21 @@ def _check_equivalence(rank, world, ep_size):
 @pytest.mark.parametrize("ep_size", [1, 2])
 def test_every_stage_matches_one_process(ep_size):
     run_distributed(_check_equivalence, WORLD, ep_size, timeout_s=400)
+
+
+def _check_one_rank_per_expert(rank, world):
+    """ep = world: every expert-data-parallel group is one rank, where no reduction runs but the gradient
+    must still be divided by the world size (SGD, so a wrong scale shows)."""
+    expected = _reference_state(sgd=True) if rank == 0 else None
+    for stage in (0, 2, 3):
+        _, state = _train(rank, WORLD, stage, clip=0, optimizer=SGD_SMALL)
+        if rank == 0:
+            for name, value in expected.items():
+                torch.testing.assert_close(state[name], value, **FP32, msg=lambda m: f"stage {stage} {name}: {m}")
+
+
+def test_one_rank_per_expert_group_matches_one_process():
+    run_distributed(_check_one_rank_per_expert, WORLD, timeout_s=300)
 
 
 def _check_bf16(rank, world, stage):
