@@ -18,26 +18,21 @@ accuracy per class; TensorBoard logs go to --log-dir/--run-name (the engine's sc
 routing statistics, plus test loss and accuracy and images/s).
 """
 
-import json
 import os
 import pickle
-import sys
-import time
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from moe import MoE, split_params_into_different_moe_groups_for_optimizer
 from optim import initialize
-from parallel import init_distributed
-from recipes.cli import (engine_config, fail, flag_parser, keep_last_field, parse_config, resume_field,
-                         start_over_field)
-from recipes.training import (Progress, SetupError, all_sum, claim_for_run, prune_checkpoints,
-                              release_checkpoint_dir)
+from recipes import runner
+from recipes.cli import engine_config, fail, keep_last_field, resume_field, start_over_field
+from recipes.runner import Recipe
+from recipes.training import Progress, SetupError, all_sum, prune_checkpoints
 
 CLASSES = ("plane", "car", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck")
 MEAN, STD = torch.tensor([0.4914, 0.4822, 0.4465]), torch.tensor([0.2470, 0.2435, 0.2616])
@@ -298,15 +293,8 @@ def train(cfg: CifarConfig, given: set[str], rank: int, world: int) -> dict:
     return {"history": history, "global_steps": engine.global_steps}
 
 
-def checked_config(parser, argv: list[str] | None, world: int) -> tuple[CifarConfig, set[str]]:
-    """Parse and validate the flags (on --resume the model flags come from the checkpoint); one line on error."""
-    cfg, given = parse_config(parser, CifarConfig, argv)
-    if cfg.keep_last < 0:
-        fail(parser, f"--keep-last must be 0 (keep all) or more, got {cfg.keep_last}")
-    if not cfg.run_name:
-        cfg.run_name = f"cifar-{'moe' if cfg.moe else 'dense'}-{time.strftime('%Y%m%d-%H%M%S')}"
-    if world % cfg.ep_world_size:
-        fail(parser, f"--ep-world-size ({cfg.ep_world_size}) must divide the number of processes ({world})")
+def check(parser, cfg: CifarConfig, world: int) -> None:
+    """The CIFAR recipe's own flag checks (the runner checks the shared ones); one line on error."""
     if cfg.moe:
         for n in cfg.num_experts:
             if n < 1 or n % cfg.ep_world_size:
@@ -318,35 +306,14 @@ def checked_config(parser, argv: list[str] | None, world: int) -> tuple[CifarCon
     for name in ("epochs", "batch_size", "log_interval"):
         if getattr(cfg, name) < 1:
             fail(parser, f"--{name.replace('_', '-')} must be at least 1, got {getattr(cfg, name)}")
-    if cfg.config and not os.path.isfile(cfg.config):
-        fail(parser, f"--config {cfg.config} does not exist")
-    return cfg, given
+
+
+RECIPE = Recipe(prog="recipes.cifar", config_class=CifarConfig, description=__doc__, check=check,
+                run_label=lambda cfg: f"cifar-{'moe' if cfg.moe else 'dense'}", train=train)
 
 
 def main(argv: list[str] | None = None) -> dict:
-    argv = sys.argv[1:] if argv is None else argv
-    parser = flag_parser(CifarConfig, __doc__)
-    parser.prog = "recipes.cifar"
-    rank, world = init_distributed()
-    cfg, given = checked_config(parser, argv, world)
-    if rank == 0:
-        print("config:", json.dumps(asdict(cfg)), f"processes={world}", flush=True)
-    claimed = False
-    try:
-        claimed = claim_for_run(cfg.checkpoint_dir, rank)  # one writer per checkpoint folder
-        result = train(cfg, given, rank, world)
-        if dist.is_initialized():
-            dist.barrier()  # no rank tears its group down while a peer's last exchange is in flight
-        return result
-    except SetupError as error:
-        fail(parser, str(error))
-    except FloatingPointError as error:  # the engine's non-finite guard: one line, exit status 1
-        parser.exit(1, f"{parser.prog}: stopped: {error}\n")
-    finally:
-        if claimed:
-            release_checkpoint_dir(cfg.checkpoint_dir)
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    return runner.main(RECIPE, argv)
 
 
 if __name__ == "__main__":

@@ -20,25 +20,21 @@ load per layer (histogram and an experts x layers heatmap), step time and tokens
 """
 
 import contextlib
-import json
 import math
 import os
 import sys
-import time
 from dataclasses import asdict, dataclass, field, fields
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from moe import split_params_into_different_moe_groups_for_optimizer
 from optim import initialize, read_client_state
-from parallel import init_distributed
-from recipes.cli import (engine_config, fail, flag_parser, keep_last_field, parse_config, resume_field,
-                         start_over_field)
+from recipes import runner
+from recipes.cli import engine_config, fail, flag_parser, keep_last_field, resume_field, start_over_field
 from recipes.gpt_model import GPT, GPTConfig
-from recipes.training import (Progress, SetupError, all_sum, claim_for_run, prune_checkpoints,
-                              release_checkpoint_dir)
+from recipes.runner import Recipe
+from recipes.training import Progress, SetupError, all_sum, prune_checkpoints
 
 
 @dataclass(kw_only=True)
@@ -287,15 +283,8 @@ def train(cfg: TrainConfig, given: set[str], rank: int, world: int) -> dict:
             "tokens_per_s": sum(history["tokens_per_s"]) / max(len(history["tokens_per_s"]), 1)}
 
 
-def checked_config(parser, argv: list[str] | None, world: int) -> tuple[TrainConfig, set[str]]:
-    """Parse and validate the flags (and on --resume take the model from the checkpoint); one line on error."""
-    cfg, given = parse_config(parser, TrainConfig, argv)
-    if cfg.keep_last < 0:
-        fail(parser, f"--keep-last must be 0 (keep all) or more, got {cfg.keep_last}")
-    if not cfg.run_name:
-        cfg.run_name = f"gpt-{'dense' if cfg.dense else 'moe'}-{time.strftime('%Y%m%d-%H%M%S')}"
-    if world % cfg.ep_world_size:
-        fail(parser, f"--ep-world-size ({cfg.ep_world_size}) must divide the number of processes ({world})")
+def check(parser, cfg: TrainConfig, world: int) -> None:
+    """The GPT recipe's own flag checks (the runner checks the shared ones); one line on error."""
     if not cfg.dense and cfg.num_experts % cfg.ep_world_size:
         fail(parser, f"--num-experts ({cfg.num_experts}) must be divisible by --ep-world-size ({cfg.ep_world_size})")
     if not cfg.dense and not 1 <= cfg.top_k <= cfg.num_experts:
@@ -312,45 +301,30 @@ def checked_config(parser, argv: list[str] | None, world: int) -> tuple[TrainCon
         fail(parser, f"--lr must be a positive finite number, got {cfg.lr}")
     if not 0 < cfg.val_fraction < 1:
         fail(parser, f"--val-fraction must be between 0 and 1, got {cfg.val_fraction}")
-    if cfg.config and not os.path.isfile(cfg.config):
-        fail(parser, f"--config {cfg.config} does not exist")
     try:
         model_config(cfg)
     except ValueError as error:
         fail(parser, str(error))
-    return cfg, given
+
+
+def compiled_train(cfg: TrainConfig, given: set[str], rank: int, world: int) -> dict:
+    """`train`, with Dynamo set up for --compile."""
+    # compiled, the packed and grouped layouts' one host read (rows per expert) becomes symbolic sizes,
+    # so they compile whole instead of breaking the graph and recompiling as the counts change
+    compiling = torch._dynamo.config.patch(capture_scalar_outputs=True) if cfg.compile else contextlib.nullcontext()
+    with compiling:
+        return train(cfg, given, rank, world)
+
+
+RECIPE = Recipe(prog="recipes.gpt", config_class=TrainConfig, description=__doc__, check=check,
+                run_label=lambda cfg: f"gpt-{'dense' if cfg.dense else 'moe'}", train=compiled_train)
 
 
 def main(argv: list[str] | None = None) -> dict:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["sample"]:
         return sample(argv[1:])
-    parser = flag_parser(TrainConfig, __doc__)
-    parser.prog = "recipes.gpt"
-    rank, world = init_distributed()
-    cfg, given = checked_config(parser, argv, world)
-    if rank == 0:
-        print("config:", json.dumps(asdict(cfg)), f"processes={world}", flush=True)
-    # compiled, the packed and grouped layouts' one host read (rows per expert) becomes symbolic sizes,
-    # so they compile whole instead of breaking the graph and recompiling as the counts change
-    compiling = torch._dynamo.config.patch(capture_scalar_outputs=True) if cfg.compile else contextlib.nullcontext()
-    claimed = False
-    try:
-        claimed = claim_for_run(cfg.checkpoint_dir, rank)  # one writer per checkpoint folder
-        with compiling:
-            result = train(cfg, given, rank, world)
-        if dist.is_initialized():
-            dist.barrier()  # no rank tears its group down while a peer's last exchange is in flight
-    except SetupError as error:
-        fail(parser, str(error))
-    except FloatingPointError as error:  # the engine's non-finite guard: one line, exit status 1
-        parser.exit(1, f"{parser.prog}: stopped: {error}\n")
-    finally:
-        if claimed:
-            release_checkpoint_dir(cfg.checkpoint_dir)
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    return result
+    return runner.main(RECIPE, argv)
 
 
 # Sampling.
