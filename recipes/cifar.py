@@ -30,7 +30,8 @@ from torch import nn
 from moe import MoE, split_params_into_different_moe_groups_for_optimizer
 from optim import initialize
 from recipes import runner
-from recipes.cli import engine_config, fail, keep_last_field, resume_field, start_over_field
+from recipes.cli import (engine_config, fail, keep_last_field, noisy_gate_policy, noisy_gate_policy_field,
+                         resume_field, start_over_field)
 from recipes.runner import Recipe
 from recipes.training import Progress, SetupError, all_sum, prune_checkpoints
 
@@ -52,7 +53,7 @@ class CifarConfig:
     mlp_type: str = field(default="standard", metadata={"choices": ["standard", "residual"]})
     top_k: int = 1
     min_capacity: int = 0
-    noisy_gate_policy: str = field(default="None", metadata={"choices": ["None", "Jitter", "RSample"]})
+    noisy_gate_policy: str = noisy_gate_policy_field()
     moe_param_group: bool = field(default=False, metadata={
         "help": "hand the optimizer separate MoE param groups (the engine splits experts out either way)"})
     capacity_factor: float = 1.0
@@ -159,7 +160,7 @@ class Net(nn.Module):
                 MoE(hidden_size=84, expert=fc3, num_experts=n, ep_size=cfg.ep_world_size,
                     use_residual=cfg.mlp_type == "residual", k=cfg.top_k, min_capacity=cfg.min_capacity,
                     capacity_factor=cfg.capacity_factor,
-                    noisy_gate_policy=None if cfg.noisy_gate_policy == "None" else cfg.noisy_gate_policy,
+                    noisy_gate_policy=noisy_gate_policy(cfg.noisy_gate_policy),
                     expert_init="per_expert_seed", seed=cfg.seed)
                 for n in cfg.num_experts)
             self.fc4 = nn.Linear(84, 10)

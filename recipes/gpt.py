@@ -31,7 +31,8 @@ import torch.nn.functional as F
 from moe import split_params_into_different_moe_groups_for_optimizer
 from optim import initialize, read_client_state
 from recipes import runner
-from recipes.cli import engine_config, fail, flag_parser, keep_last_field, resume_field, start_over_field
+from recipes.cli import (engine_config, fail, flag_parser, keep_last_field, noisy_gate_policy,
+                         noisy_gate_policy_field, resume_field, start_over_field)
 from recipes.gpt_model import GPT, GPTConfig
 from recipes.runner import Recipe
 from recipes.training import Progress, SetupError, all_sum, prune_checkpoints
@@ -63,7 +64,7 @@ class TrainConfig:
     expert_compute: str = field(default="auto", metadata={
         "choices": ["auto", "packed", "grouped", "padded"],
         "help": "expert layout (auto: packed on CPU; on GPU padded, or grouped when dropless)"})
-    noisy_gate_policy: str = field(default="None", metadata={"choices": ["None", "Jitter", "RSample"]})
+    noisy_gate_policy: str = noisy_gate_policy_field()
     scoring_func: str = field(default="softmax", metadata={"choices": ["softmax", "sigmoid"]})
     norm_topk_prob: str = field(default="auto", metadata={
         "choices": ["auto", "true", "false"], "help": "renormalise the kept weights (auto: the policy's default)"})
@@ -113,7 +114,7 @@ MODEL_FIELDS = {f.name for f in fields(GPTConfig)} - {"vocab_size", "block_size"
 
 def model_config(cfg: TrainConfig) -> GPTConfig:
     return GPTConfig(block_size=cfg.seq_len, moe_every=0 if cfg.dense else cfg.moe_every, ep_size=cfg.ep_world_size,
-                     noisy_gate_policy=None if cfg.noisy_gate_policy == "None" else cfg.noisy_gate_policy,
+                     noisy_gate_policy=noisy_gate_policy(cfg.noisy_gate_policy),
                      **{name: getattr(cfg, name) for name in MODEL_FIELDS if name != "noisy_gate_policy"})
 
 

@@ -13,7 +13,8 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from kernels import gemm
-from recipes import bench_gpt, cifar, compare_dense_moe, gpt
+from moe import TopKGate
+from recipes import bench_gpt, cifar, compare_dense_moe, gpt, runner
 from recipes.gpt_model import GPT
 
 CIFAR_JSON = pathlib.Path(cifar.__file__).parent / "configs" / "cifar.json"
@@ -176,6 +177,18 @@ def test_a_wrong_flag_stops_with_one_line(recipe, argv, message, capsys):
     assert stop.value.code == 2
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and re.search(message, err), err
+
+
+@pytest.mark.parametrize("flag, policy", [("None", None), ("Jitter", "Jitter"), ("RSample", "RSample")])
+def test_the_noisy_gate_policy_flag_reaches_every_gate(flag, policy):
+    """The flag's "None" is the gate's None (the gate itself refuses the string)."""
+    gpt_cfg, _ = runner.checked_config(gpt.RECIPE, runner.parser_for(gpt.RECIPE),
+                                       GPT_TINY + ["--noisy-gate-policy", flag], world=1)
+    cifar_cfg, _ = runner.checked_config(cifar.RECIPE, runner.parser_for(cifar.RECIPE),
+                                         ["--moe", "--num-experts", "2", "2", "--noisy-gate-policy", flag], world=1)
+    for model, layers in ((GPT(gpt.model_config(gpt_cfg)), 1), (cifar.Net(cifar_cfg), 2)):
+        gates = [m for m in model.modules() if isinstance(m, TopKGate)]
+        assert len(gates) == layers and all(g.config.noisy_gate_policy == policy for g in gates)
 
 
 def test_a_bad_engine_config_file_stops_with_one_line(tmp_path):
