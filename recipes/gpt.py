@@ -318,7 +318,9 @@ def compiled_train(cfg: TrainConfig, given: set[str], rank: int, world: int) -> 
 
 
 RECIPE = Recipe(prog="recipes.gpt", config_class=TrainConfig, description=__doc__, check=check,
-                run_label=lambda cfg: f"gpt-{'dense' if cfg.dense else 'moe'}", train=compiled_train)
+                run_label=lambda cfg: f"gpt-{'dense' if cfg.dense else 'moe'}", train=compiled_train,
+                usage="%(prog)s [flags]            train (the flags below)\n"
+                      "       %(prog)s sample [flags]     generate text from a checkpoint (%(prog)s sample --help)")
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -332,7 +334,7 @@ def main(argv: list[str] | None = None) -> dict:
 
 @dataclass(kw_only=True)
 class SampleConfig:
-    checkpoint_dir: str = ""
+    checkpoint_dir: str = field(default="", metadata={"help": "the folder a training run saved its checkpoints into"})
     prompt: str = "The "
     new_tokens: int = 300
     temperature: float = 0.8
@@ -340,14 +342,31 @@ class SampleConfig:
     seed: int = 0
 
 
+def saved_config(parser, folder: str) -> TrainConfig:
+    """The training config saved with the latest checkpoint in `folder`; one line naming the folder if there is none."""
+    run = "the folder a training run `python -m recipes.gpt --checkpoint-dir DIR` saved its checkpoints into"
+    if not folder:
+        fail(parser, f"--checkpoint-dir is needed: {run}")
+    if not os.path.isfile(os.path.join(folder, "latest")):
+        if not os.path.exists(folder):
+            what = "does not exist"
+        elif not os.path.isdir(folder):
+            what = "is a file, not a folder"
+        else:
+            what = "holds no checkpoint (no `latest` file)"
+        fail(parser, f"--checkpoint-dir {folder} {what}: pass {run}")
+    try:
+        return TrainConfig(**read_client_state(folder)["recipe"])
+    except (OSError, RuntimeError, KeyError, TypeError) as error:
+        detail = str(error).split("; pass tag=")[0]  # the engine's hint names its Python API, not a flag of sample
+        fail(parser, f"cannot read a recipes.gpt checkpoint from --checkpoint-dir {folder}: {detail}")
+
+
 def sample(argv: list[str]) -> dict:
     parser = flag_parser(SampleConfig, "Generate text from a checkpoint of recipes.gpt.")
     parser.prog = "recipes.gpt sample"
     cfg = SampleConfig(**vars(parser.parse_args(argv)))
-    try:
-        saved = TrainConfig(**read_client_state(cfg.checkpoint_dir)["recipe"])
-    except (OSError, RuntimeError, KeyError, TypeError) as error:
-        fail(parser, f"cannot read a recipes.gpt checkpoint from --checkpoint-dir {cfg.checkpoint_dir!r}: {error}")
+    saved = saved_config(parser, cfg.checkpoint_dir)
     saved.ep_world_size = 1  # checkpoints load at any expert-parallel size
     model = GPT(model_config(saved))
     engine, *_ = initialize(model, config={"train_micro_batch_size_per_gpu": 1,

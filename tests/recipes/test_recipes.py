@@ -1,5 +1,6 @@
 """The GPT and CIFAR recipes at tiny sizes: the loss falls, TensorBoard gets every statistic, resume continues."""
 
+import dataclasses
 import os
 import pathlib
 import pickle
@@ -318,6 +319,35 @@ def test_checkpoint_folder_guards(tmp_path, capsys):
     assert code == 2 and err.endswith(f"--checkpoint-dir {a_file} is a file, not a folder"), err
     code, err = _gpt_exit(GPT_TINY + ["--keep-last", "-1"], capsys)
     assert code == 2 and "--keep-last must be 0 (keep all) or more, got -1" in err, err
+
+
+def _flags(config_class) -> set[str]:
+    return {"--" + field.name.replace("_", "-") for field in dataclasses.fields(config_class)}
+
+
+def test_help_names_the_sample_command_and_it_answers_help_with_its_flags(capsys):
+    with pytest.raises(SystemExit) as stop:
+        gpt.main(["--help"])
+    assert stop.value.code == 0
+    usage = capsys.readouterr().out.split("\n\n")[0]
+    commands = re.findall(r"recipes\.gpt((?: [a-z]+)*) \[flags\]", usage)
+    assert commands == ["", " sample"], usage
+    with pytest.raises(SystemExit) as stop:
+        gpt.main(commands[1].split() + ["--help"])
+    assert stop.value.code == 0
+    assert set(re.findall(r"^  (--[a-z-]+)", capsys.readouterr().out, re.MULTILINE)) == _flags(gpt.SampleConfig)
+
+
+@pytest.mark.parametrize("where", ["missing", "empty", "unnamed"])
+def test_sample_without_a_checkpoint_names_the_folder_and_flags_sample_has(where, tmp_path, capsys):
+    folder = {"missing": str(tmp_path / "nothing"), "empty": str(tmp_path), "unnamed": ""}[where]
+    code, err = _gpt_exit(["sample"] + (["--checkpoint-dir", folder] if folder else []), capsys)
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert err.startswith(f"recipes.gpt sample: error: --checkpoint-dir {folder} " if folder else
+                          "recipes.gpt sample: error: --checkpoint-dir is needed: "), err
+    named = set(re.findall(r"--[a-z][a-z-]*", err))
+    assert named and named <= _flags(gpt.SampleConfig) & _flags(gpt.TrainConfig), err  # flags of both commands
+    assert "tag=" not in err, err
 
 
 def test_bad_data_and_config_files_stop_with_one_line(tmp_path, capsys):
