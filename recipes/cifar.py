@@ -13,13 +13,14 @@ load-balancing loss is added with --aux-coef (the tutorial leaves it out: use 0 
 Data: CIFAR-10's python batches (`data_batch_1..5`, `test_batch`) from --data-dir, read with an
 unpickler that admits numpy arrays only. Without them the recipe says so and uses a synthetic
 CIFAR-shaped set: 32x32 colour images of ten classes, each class a fixed random colour pattern
-under noise and a random shift. Each epoch reports the mean train loss, the test accuracy and the
-accuracy per class; TensorBoard logs go to --log-dir/--run-name (the engine's scalars and MoE
+under noise and a random shift. Each epoch reports the mean train loss, the test accuracy, the
+accuracy per class and the training speed (images/s); TensorBoard logs go to --log-dir/--run-name (the engine's scalars and MoE
 routing statistics, plus test loss and accuracy and images/s).
 """
 
 import os
 import pickle
+import time
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
@@ -115,12 +116,18 @@ def _read_batch(path: str) -> tuple[torch.Tensor, torch.Tensor]:
     return images, labels
 
 
+BATCHES = tuple(f"data_batch_{i}" for i in range(1, 6)) + ("test_batch",)
+
+
+def missing_batches(data_dir: str) -> list[str]:
+    return [name for name in BATCHES if not os.path.isfile(os.path.join(data_dir, name))]
+
+
 def load_cifar(data_dir: str):
     """(train images uint8 [N, 3, 32, 32], labels, test images, labels), or None when the files are absent."""
-    names = [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]
-    if not data_dir or not all(os.path.isfile(os.path.join(data_dir, n)) for n in names):
+    if not data_dir or missing_batches(data_dir):
         return None
-    parts = [_read_batch(os.path.join(data_dir, n)) for n in names]
+    parts = [_read_batch(os.path.join(data_dir, n)) for n in BATCHES]
     train_x, train_y = torch.cat([p[0] for p in parts[:5]]), torch.cat([p[1] for p in parts[:5]])
     return train_x, train_y, parts[5][0], parts[5][1]
 
@@ -233,10 +240,15 @@ def train(cfg: CifarConfig, given: set[str], rank: int, world: int) -> dict:
     except (OSError, ValueError) as error:
         raise SetupError(f"cannot read CIFAR-10 from --data-dir {cfg.data_dir}: {error}") from None
     say = print if rank == 0 else (lambda *a, **k: None)
+    source = cfg.data_dir
     if data is None:
-        where = cfg.data_dir or "(no --data-dir given)"
-        say(f"CIFAR-10 python batches not found in {where}: using a SYNTHETIC CIFAR-shaped set instead "
-            "(10 classes of coloured patterns under noise)", flush=True)
+        source, synthetic = "synthetic", "a SYNTHETIC CIFAR-shaped set (10 classes of coloured patterns under noise)"
+        if cfg.data_dir:
+            say(f"CIFAR-10 python batches not found in --data-dir {cfg.data_dir} (missing: "
+                f"{', '.join(missing_batches(cfg.data_dir))}): using {synthetic} instead", flush=True)
+        else:
+            say(f"no --data-dir given: using {synthetic}; to train on CIFAR-10, pass --data-dir with the folder of "
+                f"its python batches (cifar-10-batches-py: {', '.join(BATCHES)})", flush=True)
         data = synthetic_cifar(seed=cfg.seed)
     train_x, train_y, test_x, test_y = data
     if cfg.train_size:
@@ -261,7 +273,7 @@ def train(cfg: CifarConfig, given: set[str], rank: int, world: int) -> dict:
                      f"ep {cfg.ep_world_size}, ZeRO stage {engine.stage}, {cfg.dtype}, {steps_per_epoch} steps per epoch")
     history = []
     for epoch in range(first_epoch + 1, cfg.epochs + 1):
-        losses = []
+        losses, start = [], time.perf_counter()
         for i, rows in enumerate(shard(len(train_x), cfg.batch_size, rank, world, epoch, cfg.seed).split(cfg.batch_size)):
             loss = train_step(engine, cfg, normalise(train_x[rows]), train_y[rows])
             losses.append(loss.item())
@@ -272,13 +284,15 @@ def train(cfg: CifarConfig, given: set[str], rank: int, world: int) -> dict:
                 progress.line(engine.global_steps, rate, epoch=epoch, loss=sum(recent) / len(recent))
                 if engine.monitor is not None:  # each image is one token for the MoE layers
                     engine.monitor.scalars(engine.global_steps, {"Train/images_per_s": rate, "Train/tokens_per_s": rate})
+        images_per_s = len(losses) * cfg.batch_size * world / (time.perf_counter() - start)  # training steps only
         train_loss = all_sum(sum(losses), len(losses), device=engine.device)
         train_loss = train_loss[0] / max(train_loss[1], 1)
         test_loss, accuracy, per_class = test(engine, test_x, test_y, cfg, rank, world)
         history.append({"epoch": epoch, "step": engine.global_steps, "train_loss": train_loss,
-                        "test_loss": test_loss, "accuracy": accuracy, "per_class": per_class})
+                        "test_loss": test_loss, "accuracy": accuracy, "per_class": per_class,
+                        "images_per_s": images_per_s})
         progress.message(f"epoch {epoch}: train loss {train_loss:.4f}  test loss {test_loss:.4f}  "
-                         f"test accuracy {100 * accuracy:.1f}%")
+                         f"test accuracy {100 * accuracy:.1f}%  {images_per_s:,.0f} img/s")
         progress.message("  " + "  ".join(f"{name} {100 * a:.0f}%" for name, a in zip(CLASSES, per_class)))
         if engine.monitor is not None:
             engine.monitor.scalars(engine.global_steps, {
@@ -291,7 +305,7 @@ def train(cfg: CifarConfig, given: set[str], rank: int, world: int) -> dict:
     if engine.monitor is not None:
         engine.monitor.close()
         progress.message(f"TensorBoard logs: {engine.monitor.log_dir}   (view: tensorboard --logdir {cfg.log_dir})")
-    return {"history": history, "global_steps": engine.global_steps}
+    return {"history": history, "global_steps": engine.global_steps, "data": source}
 
 
 def check(parser, cfg: CifarConfig, world: int) -> None:

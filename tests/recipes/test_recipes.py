@@ -73,10 +73,21 @@ def test_gpt_trains_logs_every_statistic_and_resumes_exactly(tmp_path, capsys):
     assert capsys.readouterr().out.startswith("The ")
 
 
-def test_cifar_trains_logs_and_resumes_exactly(tmp_path):
+def _numbers(pattern: str, text: str) -> list[float]:
+    return [float(x.replace(",", "")) for x in re.findall(pattern, text)]
+
+
+def test_cifar_trains_logs_and_resumes_exactly(tmp_path, capsys):
     args = CIFAR_TINY + ["--log-dir", str(tmp_path), "--run-name", "run", "--checkpoint-dir", str(tmp_path / "ckpt")]
     straight = cifar.main(args + ["--epochs", "2"])
     first, second = straight["history"]
+    # epoch 1's speed: its 384 images over the time of its steps, which the progress reports at steps 8, 16
+    # and 24 (128 images each) measured; the epoch line prints the returned figure
+    step_rates = [e.value for e in _events(tmp_path / "run").Scalars("Train/images_per_s") if e.step <= 24]
+    assert len(step_rates) == 3 and straight["data"] == "synthetic"
+    assert first["images_per_s"] == pytest.approx(384 / sum(128 / r for r in step_rates), rel=0.1)
+    printed = _numbers(r"epoch \d: .* ([0-9,]+) img/s", capsys.readouterr().out)
+    assert printed == [round(e["images_per_s"]) for e in (first, second)]
     assert second["train_loss"] < first["train_loss"] and len(second["per_class"]) == 10
     assert 0 <= second["accuracy"] <= 1
     scalars = set(_events(tmp_path / "run").Tags()["scalars"])
@@ -89,6 +100,23 @@ def test_cifar_trains_logs_and_resumes_exactly(tmp_path):
     assert (again["epoch"], again["step"]) == (2, 48)
     for key in ("train_loss", "test_loss", "accuracy", "per_class"):
         assert again[key] == pytest.approx(second[key], rel=RTOL), key
+
+
+def test_cifar_without_its_files_says_what_to_pass_and_trains_on_the_synthetic_set(tmp_path, capsys):
+    _write_cifar_batches(tmp_path)
+    (tmp_path / "data_batch_3").unlink()
+    tiny = ["--train-size", "32", "--test-size", "16", "--epochs", "1", "--log-dir", str(tmp_path / "runs")]
+    for data_dir in ("", str(tmp_path)):
+        result = cifar.main(tiny + (["--data-dir", data_dir] if data_dir else []))
+        assert result["data"] == "synthetic" and result["global_steps"] == 2  # 32 of the synthetic set's images
+        said = [line for line in capsys.readouterr().out.splitlines() if "SYNTHETIC" in line]
+        assert len(said) == 1, said
+        flags = {"--" + field.name.replace("_", "-") for field in dataclasses.fields(cifar.CifarConfig)}
+        assert set(re.findall(r"--[a-z][a-z-]*", said[0])) == {"--data-dir"} <= flags
+        if data_dir:  # the folder and what it lacks
+            assert re.search(rf"in --data-dir {re.escape(data_dir)} \(missing: data_batch_3\)", said[0]), said[0]
+        else:
+            assert said[0].startswith("no --data-dir given: ") and "cifar-10-batches-py" in said[0], said[0]
 
 
 def _write_cifar_batches(folder, images_per_batch=20):
