@@ -69,12 +69,18 @@ def test_gpt_trains_logs_every_statistic_and_resumes_exactly(tmp_path, capsys):
     _same_curve(resumed["history"]["val"], straight["history"]["val"][1:])
 
     capsys.readouterr()
-    gpt.main(["sample", "--checkpoint-dir", str(tmp_path / "ckpt"), "--prompt", "The ", "--new-tokens", "20"])
-    assert capsys.readouterr().out.startswith("The ")
+    sample = ["sample", "--checkpoint-dir", str(tmp_path / "ckpt"), "--prompt", "The ", "--new-tokens", "20"]
+    sampled = gpt.main(sample)
+    assert capsys.readouterr().out == sampled["text"] + "\n" and sampled["text"].startswith("The ")
+    assert gpt.main(sample)["text"] == sampled["text"]  # --seed 0 both times
+
+
+def _parsed(argv: list[str]) -> dict:
+    return vars(gpt.flag_parser(gpt.TrainConfig, "").parse_args(argv))
 
 
 def _numbers(pattern: str, text: str) -> list[float]:
-    return [float(x.replace(",", "")) for x in re.findall(pattern, text)]
+    return [float(x.replace(",", "")) for x in re.findall(pattern, text, re.MULTILINE)]
 
 
 def test_cifar_trains_logs_and_resumes_exactly(tmp_path, capsys):
@@ -178,9 +184,11 @@ def test_cifar_under_torchrun_with_expert_parallelism(tmp_path):
                          "--config", str(CIFAR_JSON),
                          "--log-dir", str(tmp_path), "--run-name", "run"]
     out = _torchrun("recipes.cifar", *args).stdout
-    losses = [float(x) for x in re.findall(r"epoch \d: train loss ([0-9.]+)", out)]
+    losses = _numbers(r"^epoch \d: train loss ([0-9.]+)", out)
     assert len(losses) == 2 and losses[1] < losses[0], out
-    assert "SYNTHETIC" in out and "test accuracy" in out
+    accuracy = _numbers(r"^epoch \d: .* test accuracy ([0-9.]+)%", out)
+    assert len(accuracy) == 2 and all(0 <= a <= 100 for a in accuracy), out
+    assert len([line for line in out.splitlines() if "SYNTHETIC" in line]) == 1  # said once, by rank 0
     assert TRAIN_SCALARS <= set(_events(tmp_path / "run").Tags()["scalars"])
 
 
@@ -238,8 +246,13 @@ def test_the_comparison_writes_its_table(tmp_path):
     dense, moe = rows
     assert dense["total"] == dense["active"] < moe["total"]
     assert moe["active"] - dense["active"] == 16 * 8 + 16  # the router, and a second output bias per token
-    text = out.read_text()
-    assert "| dense | " in text and "| MoE 8 experts, top-2 | " in text
+    table = [line.strip("|").split(" | ") for line in out.read_text().splitlines() if line.startswith("| ")][2:]
+    assert [cells[0].strip() for cells in table] == ["dense", "MoE 8 experts, top-2"]
+    for cells, row in zip(table, rows):
+        total, active, tokens, val_loss, tokens_per_s = (float(c.replace(",", "")) for c in cells[1:])
+        assert (total, active, tokens) == (row["total"], row["active"], 6 * 4 * 16)
+        assert val_loss == pytest.approx(row["val_loss"], abs=5e-5) and 0 < val_loss < 6
+        assert tokens_per_s == pytest.approx(row["tokens_per_s"], abs=0.51)
 
 
 def test_gpt_compile_flag_compiles_the_model_in_place(tmp_path, monkeypatch):
@@ -278,7 +291,16 @@ def test_bench_gpt_times_both_models(capsys):
     results = bench_gpt.main(GPT_TINY + ["--steps", "2", "--warmup", "1"])
     assert set(results) == {"moe", "dense"} and all(rate > 0 for rate in results.values())
     out = capsys.readouterr().out
-    assert "CPU: " in out and "MoE / dense tokens/s: " in out
+    printed = {name: _numbers(r"([0-9.,]+)", figures) for name, figures in re.findall(
+        r"^(moe|dense) +([0-9,]+ parameters +[0-9,]+ active +[0-9.]+ ms/step +[0-9.]+) tokens/s$", out, re.MULTILINE)}
+    assert set(printed) == {"moe", "dense"}, out
+    for name, (total, active, ms, tokens_per_s) in printed.items():
+        cfg = gpt.TrainConfig(**{**_parsed(GPT_TINY), "dense": name == "dense"})
+        assert (total, active) == GPT(gpt.model_config(cfg)).parameter_counts(), name
+        assert tokens_per_s == pytest.approx(results[name], abs=0.51)
+        assert ms == pytest.approx(8 * 32 / results[name] * 1e3, abs=0.051)  # 8 sequences of 32 tokens per step
+    ratio = _numbers(r"^MoE / dense tokens/s: ([0-9.]+)$", out)
+    assert ratio == [pytest.approx(results["moe"] / results["dense"], abs=5e-4)]
 
 
 def test_a_diverging_run_stops_with_one_line_and_saves_no_nonfinite_weights(tmp_path, capsys):
