@@ -14,8 +14,8 @@ Data: CIFAR-10's python batches (`data_batch_1..5`, `test_batch`) from --data-di
 unpickler that admits numpy arrays only. Without them the recipe says so and uses a synthetic
 CIFAR-shaped set: 32x32 colour images of ten classes, each class a fixed random colour pattern
 under noise and a random shift. Each epoch reports the mean train loss, the test accuracy, the
-accuracy per class and the training speed (images/s); TensorBoard logs go to --log-dir/--run-name (the engine's scalars and MoE
-routing statistics, plus test loss and accuracy and images/s).
+training speed (images/s) and the accuracy per class; TensorBoard logs go to --log-dir/--run-name
+(the engine's scalars and MoE routing statistics, plus test loss and accuracy and images/s).
 """
 
 import os
@@ -33,7 +33,6 @@ from optim import initialize
 from recipes import runner
 from recipes.cli import (engine_config, fail, keep_last_field, noisy_gate_policy, noisy_gate_policy_field,
                          resume_field, start_over_field)
-from recipes.runner import Recipe
 from recipes.training import Progress, SetupError, all_sum, prune_checkpoints
 
 CLASSES = ("plane", "car", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck")
@@ -323,8 +322,8 @@ def check(parser, cfg: CifarConfig, world: int) -> None:
             fail(parser, f"--{name.replace('_', '-')} must be at least 1, got {getattr(cfg, name)}")
 
 
-RECIPE = Recipe(prog="recipes.cifar", config_class=CifarConfig, description=__doc__, check=check,
-                run_label=lambda cfg: f"cifar-{'moe' if cfg.moe else 'dense'}", train=train)
+RECIPE = runner.Recipe(prog="recipes.cifar", config_class=CifarConfig, description=__doc__, check=check,
+                       run_label=lambda cfg: f"cifar-{'moe' if cfg.moe else 'dense'}", train=train)
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -34,7 +34,6 @@ from recipes import runner
 from recipes.cli import (engine_config, fail, flag_parser, keep_last_field, noisy_gate_policy,
                          noisy_gate_policy_field, resume_field, start_over_field)
 from recipes.gpt_model import GPT, GPTConfig
-from recipes.runner import Recipe
 from recipes.training import Progress, SetupError, all_sum, prune_checkpoints
 
 
@@ -317,10 +316,10 @@ def compiled_train(cfg: TrainConfig, given: set[str], rank: int, world: int) -> 
         return train(cfg, given, rank, world)
 
 
-RECIPE = Recipe(prog="recipes.gpt", config_class=TrainConfig, description=__doc__, check=check,
-                run_label=lambda cfg: f"gpt-{'dense' if cfg.dense else 'moe'}", train=compiled_train,
-                usage="%(prog)s [flags]            train (the flags below)\n"
-                      "       %(prog)s sample [flags]     generate text from a checkpoint (%(prog)s sample --help)")
+RECIPE = runner.Recipe(prog="recipes.gpt", config_class=TrainConfig, description=__doc__, check=check,
+                       run_label=lambda cfg: f"gpt-{'dense' if cfg.dense else 'moe'}", train=compiled_train,
+                       usage="%(prog)s [flags]          train (the flags below)\n"
+                             "       %(prog)s sample [flags]   text from a checkpoint (%(prog)s sample --help)")
 
 
 def main(argv: list[str] | None = None) -> dict:

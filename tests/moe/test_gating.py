@@ -229,7 +229,8 @@ def test_gate_takes_none_jitter_or_rsample_and_refuses_the_string_none():
     """No noise is None; the recipes' flag spells it "None" and translates it before the gate."""
     for policy in (None, "Jitter", "RSample"):
         assert TopKGate(8, 4, noisy_gate_policy=policy).config.noisy_gate_policy == policy
-    with pytest.raises(ValueError, match=r"^noisy_gate_policy must be one of \(None, 'Jitter', 'RSample'\), got 'None'$"):
+    refusal = r"^noisy_gate_policy must be one of \(None, 'Jitter', 'RSample'\), got 'None'$"
+    with pytest.raises(ValueError, match=refusal):
         TopKGate(8, 4, noisy_gate_policy="None")
 
 
