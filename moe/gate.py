@@ -76,8 +76,6 @@ class TopKGateConfig:
     routing: str = "token_choice"
 
     def __post_init__(self):
-        if self.noisy_gate_policy == "None":
-            self.noisy_gate_policy = None  # the recipe flags pass the string
         for name in ("model_dim", "num_experts", "k", "min_capacity"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):

@@ -36,7 +36,7 @@ import statistics
 import sys
 from dataclasses import dataclass, field
 
-from recipes import gpt
+from recipes import gpt, runner
 from recipes.cli import fail, flag_parser
 from recipes.compare_dense_moe import stdlib_corpus
 from recipes.gpt_model import GPT
@@ -186,9 +186,9 @@ def check(parser, cfg: AblateConfig) -> None:
 
 def check_run(name: str, argv_run: list[str]) -> None:
     """Parse one run's flags as recipes.gpt would and build its model (one process): bad ones stop here."""
-    gpt_parser = flag_parser(gpt.TrainConfig, gpt.__doc__)
+    gpt_parser = runner.parser_for(gpt.RECIPE)
     gpt_parser.prog = f"recipes.ablate: variant {name}: recipes.gpt"
-    run_cfg, _ = gpt.checked_config(gpt_parser, argv_run, world=int(os.environ.get("WORLD_SIZE", "1")))
+    run_cfg, _ = runner.checked_config(gpt.RECIPE, gpt_parser, argv_run, world=int(os.environ.get("WORLD_SIZE", "1")))
     run_cfg.ep_world_size = 1  # the layout was checked above; one process builds every expert
     try:
         GPT(gpt.model_config(run_cfg))

@@ -66,12 +66,14 @@ def _with_backend(backend: str, fn):
     return run
 
 
-def _report(name: str, ms: float, nbytes: int, copy_gbs: float) -> None:
+def _report(name: str, ms: float, nbytes: int, copy_gbs: float) -> dict:
     gbs = nbytes / ms / 1e6
     print(f"{name:<32} {ms:9.3f} ms {gbs:9.1f} GB/s  {100 * gbs / copy_gbs:6.1f}% of copy")
+    return {"ms": ms, "bytes": nbytes, "gbs": gbs}
 
 
-def main(argv=None) -> None:
+def main(argv=None) -> dict:
+    """Prints the figures; returns them per row name ("copy", "permute (torch)", ...): ms, bytes and GB/s."""
     cfg = KernelBenchConfig(**vars(flag_parser(KernelBenchConfig, __doc__).parse_args(argv)))
     print("config:", asdict(cfg))
     device, dtype = torch.device(cfg.device), DTYPES[cfg.dtype]
@@ -95,16 +97,21 @@ def main(argv=None) -> None:
     copy_ms = _time(lambda: dst.copy_(src), cfg, device)
     copy_gbs = 2 * src.numel() / copy_ms / 1e6
     print(f"{'copy':<32} {copy_ms:9.3f} ms {copy_gbs:9.1f} GB/s")
+    results = {"copy": {"ms": copy_ms, "bytes": 2 * src.numel(), "gbs": copy_gbs}}
     backends = (["triton"] if device.type == "cuda" else []) + ["torch"]
     for backend in backends:
         run = _with_backend(backend, lambda: permute(x, row_SK, N))
-        _report(f"permute ({backend})", _time(run, cfg, device), permute_bytes, copy_gbs)
-    _report("permute (reference)", _time(lambda: permute_reference(x, row_SK, N), cfg, device), permute_bytes, copy_gbs)
+        name = f"permute ({backend})"
+        results[name] = _report(name, _time(run, cfg, device), permute_bytes, copy_gbs)
+    results["permute (reference)"] = _report("permute (reference)", _time(lambda: permute_reference(x, row_SK, N),
+                                                                           cfg, device), permute_bytes, copy_gbs)
     for backend in backends:
         run = _with_backend(backend, lambda: unpermute_combine(buffer, row_SK, weight))
-        _report(f"unpermute_combine ({backend})", _time(run, cfg, device), combine_bytes, copy_gbs)
+        name = f"unpermute_combine ({backend})"
+        results[name] = _report(name, _time(run, cfg, device), combine_bytes, copy_gbs)
     reference = lambda: unpermute_combine_reference(buffer, row_SK, weight)  # noqa: E731
-    _report("unpermute_combine (reference)", _time(reference, cfg, device), combine_bytes, copy_gbs)
+    results["unpermute_combine (reference)"] = _report("unpermute_combine (reference)", _time(reference, cfg, device),
+                                                       combine_bytes, copy_gbs)
     if device.type == "cuda":
         expert = nn.Sequential(nn.Linear(M, 4 * M), nn.GELU(), nn.Linear(4 * M, M))
         layer = MoE(M, expert, num_experts=E, k=K, capacity_factor=cfg.capacity_factor).to(device, dtype)
@@ -115,7 +122,10 @@ def main(argv=None) -> None:
             torch.autograd.backward([out, l_aux], [grad, torch.ones_like(l_aux)])
 
         for backend in backends:
-            print(f"{'MoE layer fwd+bwd (' + backend + ')':<32} {_time(_with_backend(backend, step), cfg, device):9.3f} ms")
+            name = f"MoE layer fwd+bwd ({backend})"
+            results[name] = {"ms": _time(_with_backend(backend, step), cfg, device)}
+            print(f"{name:<32} {results[name]['ms']:9.3f} ms")
+    return results
 
 
 if __name__ == "__main__":

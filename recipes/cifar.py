@@ -13,31 +13,27 @@ load-balancing loss is added with --aux-coef (the tutorial leaves it out: use 0 
 Data: CIFAR-10's python batches (`data_batch_1..5`, `test_batch`) from --data-dir, read with an
 unpickler that admits numpy arrays only. Without them the recipe says so and uses a synthetic
 CIFAR-shaped set: 32x32 colour images of ten classes, each class a fixed random colour pattern
-under noise and a random shift. Each epoch reports the mean train loss, the test accuracy and the
-accuracy per class; TensorBoard logs go to --log-dir/--run-name (the engine's scalars and MoE
-routing statistics, plus test loss and accuracy and images/s).
+under noise and a random shift. Each epoch reports the mean train loss, the test accuracy, the
+training speed (images/s) and the accuracy per class; TensorBoard logs go to --log-dir/--run-name
+(the engine's scalars and MoE routing statistics, plus test loss and accuracy and images/s).
 """
 
-import json
 import os
 import pickle
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from moe import MoE, split_params_into_different_moe_groups_for_optimizer
 from optim import initialize
-from parallel import init_distributed
-from recipes.cli import (engine_config, fail, flag_parser, keep_last_field, parse_config, resume_field,
-                         start_over_field)
-from recipes.training import (Progress, SetupError, all_sum, claim_for_run, prune_checkpoints,
-                              release_checkpoint_dir)
+from recipes import runner
+from recipes.cli import (engine_config, fail, keep_last_field, noisy_gate_policy, noisy_gate_policy_field,
+                         resume_field, start_over_field)
+from recipes.training import Progress, SetupError, all_sum, prune_checkpoints
 
 CLASSES = ("plane", "car", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck")
 MEAN, STD = torch.tensor([0.4914, 0.4822, 0.4465]), torch.tensor([0.2470, 0.2435, 0.2616])
@@ -57,7 +53,7 @@ class CifarConfig:
     mlp_type: str = field(default="standard", metadata={"choices": ["standard", "residual"]})
     top_k: int = 1
     min_capacity: int = 0
-    noisy_gate_policy: str = field(default="None", metadata={"choices": ["None", "Jitter", "RSample"]})
+    noisy_gate_policy: str = noisy_gate_policy_field()
     moe_param_group: bool = field(default=False, metadata={
         "help": "hand the optimizer separate MoE param groups (the engine splits experts out either way)"})
     capacity_factor: float = 1.0
@@ -119,12 +115,18 @@ def _read_batch(path: str) -> tuple[torch.Tensor, torch.Tensor]:
     return images, labels
 
 
+BATCHES = tuple(f"data_batch_{i}" for i in range(1, 6)) + ("test_batch",)
+
+
+def missing_batches(data_dir: str) -> list[str]:
+    return [name for name in BATCHES if not os.path.isfile(os.path.join(data_dir, name))]
+
+
 def load_cifar(data_dir: str):
     """(train images uint8 [N, 3, 32, 32], labels, test images, labels), or None when the files are absent."""
-    names = [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]
-    if not data_dir or not all(os.path.isfile(os.path.join(data_dir, n)) for n in names):
+    if not data_dir or missing_batches(data_dir):
         return None
-    parts = [_read_batch(os.path.join(data_dir, n)) for n in names]
+    parts = [_read_batch(os.path.join(data_dir, n)) for n in BATCHES]
     train_x, train_y = torch.cat([p[0] for p in parts[:5]]), torch.cat([p[1] for p in parts[:5]])
     return train_x, train_y, parts[5][0], parts[5][1]
 
@@ -164,7 +166,7 @@ class Net(nn.Module):
                 MoE(hidden_size=84, expert=fc3, num_experts=n, ep_size=cfg.ep_world_size,
                     use_residual=cfg.mlp_type == "residual", k=cfg.top_k, min_capacity=cfg.min_capacity,
                     capacity_factor=cfg.capacity_factor,
-                    noisy_gate_policy=None if cfg.noisy_gate_policy == "None" else cfg.noisy_gate_policy,
+                    noisy_gate_policy=noisy_gate_policy(cfg.noisy_gate_policy),
                     expert_init="per_expert_seed", seed=cfg.seed)
                 for n in cfg.num_experts)
             self.fc4 = nn.Linear(84, 10)
@@ -237,10 +239,15 @@ def train(cfg: CifarConfig, given: set[str], rank: int, world: int) -> dict:
     except (OSError, ValueError) as error:
         raise SetupError(f"cannot read CIFAR-10 from --data-dir {cfg.data_dir}: {error}") from None
     say = print if rank == 0 else (lambda *a, **k: None)
+    source = cfg.data_dir
     if data is None:
-        where = cfg.data_dir or "(no --data-dir given)"
-        say(f"CIFAR-10 python batches not found in {where}: using a SYNTHETIC CIFAR-shaped set instead "
-            "(10 classes of coloured patterns under noise)", flush=True)
+        source, synthetic = "synthetic", "a SYNTHETIC CIFAR-shaped set (10 classes of coloured patterns under noise)"
+        if cfg.data_dir:
+            say(f"CIFAR-10 python batches not found in --data-dir {cfg.data_dir} (missing: "
+                f"{', '.join(missing_batches(cfg.data_dir))}): using {synthetic} instead", flush=True)
+        else:
+            say(f"no --data-dir given: using {synthetic}; to train on CIFAR-10, pass --data-dir with the folder of "
+                f"its python batches (cifar-10-batches-py: {', '.join(BATCHES)})", flush=True)
         data = synthetic_cifar(seed=cfg.seed)
     train_x, train_y, test_x, test_y = data
     if cfg.train_size:
@@ -265,7 +272,7 @@ def train(cfg: CifarConfig, given: set[str], rank: int, world: int) -> dict:
                      f"ep {cfg.ep_world_size}, ZeRO stage {engine.stage}, {cfg.dtype}, {steps_per_epoch} steps per epoch")
     history = []
     for epoch in range(first_epoch + 1, cfg.epochs + 1):
-        losses = []
+        losses, start = [], time.perf_counter()
         for i, rows in enumerate(shard(len(train_x), cfg.batch_size, rank, world, epoch, cfg.seed).split(cfg.batch_size)):
             loss = train_step(engine, cfg, normalise(train_x[rows]), train_y[rows])
             losses.append(loss.item())
@@ -276,13 +283,15 @@ def train(cfg: CifarConfig, given: set[str], rank: int, world: int) -> dict:
                 progress.line(engine.global_steps, rate, epoch=epoch, loss=sum(recent) / len(recent))
                 if engine.monitor is not None:  # each image is one token for the MoE layers
                     engine.monitor.scalars(engine.global_steps, {"Train/images_per_s": rate, "Train/tokens_per_s": rate})
+        images_per_s = len(losses) * cfg.batch_size * world / (time.perf_counter() - start)  # training steps only
         train_loss = all_sum(sum(losses), len(losses), device=engine.device)
         train_loss = train_loss[0] / max(train_loss[1], 1)
         test_loss, accuracy, per_class = test(engine, test_x, test_y, cfg, rank, world)
         history.append({"epoch": epoch, "step": engine.global_steps, "train_loss": train_loss,
-                        "test_loss": test_loss, "accuracy": accuracy, "per_class": per_class})
+                        "test_loss": test_loss, "accuracy": accuracy, "per_class": per_class,
+                        "images_per_s": images_per_s})
         progress.message(f"epoch {epoch}: train loss {train_loss:.4f}  test loss {test_loss:.4f}  "
-                         f"test accuracy {100 * accuracy:.1f}%")
+                         f"test accuracy {100 * accuracy:.1f}%  {images_per_s:,.0f} img/s")
         progress.message("  " + "  ".join(f"{name} {100 * a:.0f}%" for name, a in zip(CLASSES, per_class)))
         if engine.monitor is not None:
             engine.monitor.scalars(engine.global_steps, {
@@ -295,18 +304,11 @@ def train(cfg: CifarConfig, given: set[str], rank: int, world: int) -> dict:
     if engine.monitor is not None:
         engine.monitor.close()
         progress.message(f"TensorBoard logs: {engine.monitor.log_dir}   (view: tensorboard --logdir {cfg.log_dir})")
-    return {"history": history, "global_steps": engine.global_steps}
+    return {"history": history, "global_steps": engine.global_steps, "data": source}
 
 
-def checked_config(parser, argv: list[str] | None, world: int) -> tuple[CifarConfig, set[str]]:
-    """Parse and validate the flags (on --resume the model flags come from the checkpoint); one line on error."""
-    cfg, given = parse_config(parser, CifarConfig, argv)
-    if cfg.keep_last < 0:
-        fail(parser, f"--keep-last must be 0 (keep all) or more, got {cfg.keep_last}")
-    if not cfg.run_name:
-        cfg.run_name = f"cifar-{'moe' if cfg.moe else 'dense'}-{time.strftime('%Y%m%d-%H%M%S')}"
-    if world % cfg.ep_world_size:
-        fail(parser, f"--ep-world-size ({cfg.ep_world_size}) must divide the number of processes ({world})")
+def check(parser, cfg: CifarConfig, world: int) -> None:
+    """The CIFAR recipe's own flag checks (the runner checks the shared ones); one line on error."""
     if cfg.moe:
         for n in cfg.num_experts:
             if n < 1 or n % cfg.ep_world_size:
@@ -318,35 +320,14 @@ def checked_config(parser, argv: list[str] | None, world: int) -> tuple[CifarCon
     for name in ("epochs", "batch_size", "log_interval"):
         if getattr(cfg, name) < 1:
             fail(parser, f"--{name.replace('_', '-')} must be at least 1, got {getattr(cfg, name)}")
-    if cfg.config and not os.path.isfile(cfg.config):
-        fail(parser, f"--config {cfg.config} does not exist")
-    return cfg, given
+
+
+RECIPE = runner.Recipe(prog="recipes.cifar", config_class=CifarConfig, description=__doc__, check=check,
+                       run_label=lambda cfg: f"cifar-{'moe' if cfg.moe else 'dense'}", train=train)
 
 
 def main(argv: list[str] | None = None) -> dict:
-    argv = sys.argv[1:] if argv is None else argv
-    parser = flag_parser(CifarConfig, __doc__)
-    parser.prog = "recipes.cifar"
-    rank, world = init_distributed()
-    cfg, given = checked_config(parser, argv, world)
-    if rank == 0:
-        print("config:", json.dumps(asdict(cfg)), f"processes={world}", flush=True)
-    claimed = False
-    try:
-        claimed = claim_for_run(cfg.checkpoint_dir, rank)  # one writer per checkpoint folder
-        result = train(cfg, given, rank, world)
-        if dist.is_initialized():
-            dist.barrier()  # no rank tears its group down while a peer's last exchange is in flight
-        return result
-    except SetupError as error:
-        fail(parser, str(error))
-    except FloatingPointError as error:  # the engine's non-finite guard: one line, exit status 1
-        parser.exit(1, f"{parser.prog}: stopped: {error}\n")
-    finally:
-        if claimed:
-            release_checkpoint_dir(cfg.checkpoint_dir)
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    return runner.main(RECIPE, argv)
 
 
 if __name__ == "__main__":

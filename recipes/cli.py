@@ -17,7 +17,7 @@ import torch.distributed as dist
 from optim import read_client_state
 
 
-# The checkpoint-folder flags both recipes share (dataclass fields).
+# The flags both recipes share (dataclass fields): the checkpoint folder's, the gate noise.
 def resume_field():
     return dataclasses.field(default="", metadata={
         "nargs": "?", "const": "yes", "choices": ["yes", "auto"],
@@ -32,6 +32,17 @@ def start_over_field():
 
 def keep_last_field():
     return dataclasses.field(default=0, metadata={"help": "keep only the newest n checkpoints (0: all)"})
+
+
+def noisy_gate_policy_field():
+    return dataclasses.field(default="None", metadata={
+        "choices": ["None", "Jitter", "RSample"], "help": "gate noise in training (None: no noise)"})
+
+
+def noisy_gate_policy(flag: str) -> str | None:
+    """The gate's noisy_gate_policy for the flag's value: the flag spells "no noise" as the string "None"
+    (as DeepSpeed's recipes do), the gate takes None."""
+    return None if flag == "None" else flag
 
 
 class _Parser(argparse.ArgumentParser):

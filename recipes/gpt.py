@@ -20,25 +20,21 @@ load per layer (histogram and an experts x layers heatmap), step time and tokens
 """
 
 import contextlib
-import json
 import math
 import os
 import sys
-import time
 from dataclasses import asdict, dataclass, field, fields
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from moe import split_params_into_different_moe_groups_for_optimizer
 from optim import initialize, read_client_state
-from parallel import init_distributed
-from recipes.cli import (engine_config, fail, flag_parser, keep_last_field, parse_config, resume_field,
-                         start_over_field)
+from recipes import runner
+from recipes.cli import (engine_config, fail, flag_parser, keep_last_field, noisy_gate_policy,
+                         noisy_gate_policy_field, resume_field, start_over_field)
 from recipes.gpt_model import GPT, GPTConfig
-from recipes.training import (Progress, SetupError, all_sum, claim_for_run, prune_checkpoints,
-                              release_checkpoint_dir)
+from recipes.training import Progress, SetupError, all_sum, prune_checkpoints
 
 
 @dataclass(kw_only=True)
@@ -67,7 +63,7 @@ class TrainConfig:
     expert_compute: str = field(default="auto", metadata={
         "choices": ["auto", "packed", "grouped", "padded"],
         "help": "expert layout (auto: packed on CPU; on GPU padded, or grouped when dropless)"})
-    noisy_gate_policy: str = field(default="None", metadata={"choices": ["None", "Jitter", "RSample"]})
+    noisy_gate_policy: str = noisy_gate_policy_field()
     scoring_func: str = field(default="softmax", metadata={"choices": ["softmax", "sigmoid"]})
     norm_topk_prob: str = field(default="auto", metadata={
         "choices": ["auto", "true", "false"], "help": "renormalise the kept weights (auto: the policy's default)"})
@@ -117,7 +113,7 @@ MODEL_FIELDS = {f.name for f in fields(GPTConfig)} - {"vocab_size", "block_size"
 
 def model_config(cfg: TrainConfig) -> GPTConfig:
     return GPTConfig(block_size=cfg.seq_len, moe_every=0 if cfg.dense else cfg.moe_every, ep_size=cfg.ep_world_size,
-                     noisy_gate_policy=None if cfg.noisy_gate_policy == "None" else cfg.noisy_gate_policy,
+                     noisy_gate_policy=noisy_gate_policy(cfg.noisy_gate_policy),
                      **{name: getattr(cfg, name) for name in MODEL_FIELDS if name != "noisy_gate_policy"})
 
 
@@ -287,15 +283,8 @@ def train(cfg: TrainConfig, given: set[str], rank: int, world: int) -> dict:
             "tokens_per_s": sum(history["tokens_per_s"]) / max(len(history["tokens_per_s"]), 1)}
 
 
-def checked_config(parser, argv: list[str] | None, world: int) -> tuple[TrainConfig, set[str]]:
-    """Parse and validate the flags (and on --resume take the model from the checkpoint); one line on error."""
-    cfg, given = parse_config(parser, TrainConfig, argv)
-    if cfg.keep_last < 0:
-        fail(parser, f"--keep-last must be 0 (keep all) or more, got {cfg.keep_last}")
-    if not cfg.run_name:
-        cfg.run_name = f"gpt-{'dense' if cfg.dense else 'moe'}-{time.strftime('%Y%m%d-%H%M%S')}"
-    if world % cfg.ep_world_size:
-        fail(parser, f"--ep-world-size ({cfg.ep_world_size}) must divide the number of processes ({world})")
+def check(parser, cfg: TrainConfig, world: int) -> None:
+    """The GPT recipe's own flag checks (the runner checks the shared ones); one line on error."""
     if not cfg.dense and cfg.num_experts % cfg.ep_world_size:
         fail(parser, f"--num-experts ({cfg.num_experts}) must be divisible by --ep-world-size ({cfg.ep_world_size})")
     if not cfg.dense and not 1 <= cfg.top_k <= cfg.num_experts:
@@ -312,52 +301,39 @@ def checked_config(parser, argv: list[str] | None, world: int) -> tuple[TrainCon
         fail(parser, f"--lr must be a positive finite number, got {cfg.lr}")
     if not 0 < cfg.val_fraction < 1:
         fail(parser, f"--val-fraction must be between 0 and 1, got {cfg.val_fraction}")
-    if cfg.config and not os.path.isfile(cfg.config):
-        fail(parser, f"--config {cfg.config} does not exist")
     try:
         model_config(cfg)
     except ValueError as error:
         fail(parser, str(error))
-    return cfg, given
+
+
+def compiled_train(cfg: TrainConfig, given: set[str], rank: int, world: int) -> dict:
+    """`train`, with Dynamo set up for --compile."""
+    # compiled, the packed and grouped layouts' one host read (rows per expert) becomes symbolic sizes,
+    # so they compile whole instead of breaking the graph and recompiling as the counts change
+    compiling = torch._dynamo.config.patch(capture_scalar_outputs=True) if cfg.compile else contextlib.nullcontext()
+    with compiling:
+        return train(cfg, given, rank, world)
+
+
+RECIPE = runner.Recipe(prog="recipes.gpt", config_class=TrainConfig, description=__doc__, check=check,
+                       run_label=lambda cfg: f"gpt-{'dense' if cfg.dense else 'moe'}", train=compiled_train,
+                       usage="%(prog)s [flags]          train (the flags below)\n"
+                             "       %(prog)s sample [flags]   text from a checkpoint (%(prog)s sample --help)")
 
 
 def main(argv: list[str] | None = None) -> dict:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["sample"]:
         return sample(argv[1:])
-    parser = flag_parser(TrainConfig, __doc__)
-    parser.prog = "recipes.gpt"
-    rank, world = init_distributed()
-    cfg, given = checked_config(parser, argv, world)
-    if rank == 0:
-        print("config:", json.dumps(asdict(cfg)), f"processes={world}", flush=True)
-    # compiled, the packed and grouped layouts' one host read (rows per expert) becomes symbolic sizes,
-    # so they compile whole instead of breaking the graph and recompiling as the counts change
-    compiling = torch._dynamo.config.patch(capture_scalar_outputs=True) if cfg.compile else contextlib.nullcontext()
-    claimed = False
-    try:
-        claimed = claim_for_run(cfg.checkpoint_dir, rank)  # one writer per checkpoint folder
-        with compiling:
-            result = train(cfg, given, rank, world)
-        if dist.is_initialized():
-            dist.barrier()  # no rank tears its group down while a peer's last exchange is in flight
-    except SetupError as error:
-        fail(parser, str(error))
-    except FloatingPointError as error:  # the engine's non-finite guard: one line, exit status 1
-        parser.exit(1, f"{parser.prog}: stopped: {error}\n")
-    finally:
-        if claimed:
-            release_checkpoint_dir(cfg.checkpoint_dir)
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    return result
+    return runner.main(RECIPE, argv)
 
 
 # Sampling.
 
 @dataclass(kw_only=True)
 class SampleConfig:
-    checkpoint_dir: str = ""
+    checkpoint_dir: str = field(default="", metadata={"help": "the folder a training run saved its checkpoints into"})
     prompt: str = "The "
     new_tokens: int = 300
     temperature: float = 0.8
@@ -365,14 +341,31 @@ class SampleConfig:
     seed: int = 0
 
 
+def saved_config(parser, folder: str) -> TrainConfig:
+    """The training config saved with the latest checkpoint in `folder`; one line naming the folder if there is none."""
+    run = "the folder a training run `python -m recipes.gpt --checkpoint-dir DIR` saved its checkpoints into"
+    if not folder:
+        fail(parser, f"--checkpoint-dir is needed: {run}")
+    if not os.path.isfile(os.path.join(folder, "latest")):
+        if not os.path.exists(folder):
+            what = "does not exist"
+        elif not os.path.isdir(folder):
+            what = "is a file, not a folder"
+        else:
+            what = "holds no checkpoint (no `latest` file)"
+        fail(parser, f"--checkpoint-dir {folder} {what}: pass {run}")
+    try:
+        return TrainConfig(**read_client_state(folder)["recipe"])
+    except (OSError, RuntimeError, KeyError, TypeError) as error:
+        detail = str(error).split("; pass tag=")[0]  # the engine's hint names its Python API, not a flag of sample
+        fail(parser, f"cannot read a recipes.gpt checkpoint from --checkpoint-dir {folder}: {detail}")
+
+
 def sample(argv: list[str]) -> dict:
     parser = flag_parser(SampleConfig, "Generate text from a checkpoint of recipes.gpt.")
     parser.prog = "recipes.gpt sample"
     cfg = SampleConfig(**vars(parser.parse_args(argv)))
-    try:
-        saved = TrainConfig(**read_client_state(cfg.checkpoint_dir)["recipe"])
-    except (OSError, RuntimeError, KeyError, TypeError) as error:
-        fail(parser, f"cannot read a recipes.gpt checkpoint from --checkpoint-dir {cfg.checkpoint_dir!r}: {error}")
+    saved = saved_config(parser, cfg.checkpoint_dir)
     saved.ep_world_size = 1  # checkpoints load at any expert-parallel size
     model = GPT(model_config(saved))
     engine, *_ = initialize(model, config={"train_micro_batch_size_per_gpu": 1,

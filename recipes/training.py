@@ -1,5 +1,6 @@
 """Pieces the recipes share: the console progress line, sums over all processes, the CPU's name."""
 
+import collections
 import os
 import re
 import shutil
@@ -39,6 +40,10 @@ def duration(seconds: float) -> str:
 class Progress:
     """One console line per report: step, loss, tokens/s, elapsed time and ETA (rewritten in place on a terminal).
 
+    The ETA extrapolates the rate of the last few reports (`WINDOW`), not the whole run's average: the
+    first steps are slower (compilation, measured products, caches), and a run's speed changes. For the
+    first `WARMUP_STEPS` steps it shows "ETA --", then from the second report after them on.
+
     Args:
         total_steps: the step the run ends at.
         first_step: the step the run starts from (after a resume).
@@ -47,12 +52,16 @@ class Progress:
         enabled: False on every rank but 0.
     """
 
+    WARMUP_STEPS = 10
+    WINDOW = 5
+
     def __init__(self, total_steps: int, first_step: int, tokens_per_step: int, unit: str = "tok",
                  enabled: bool = True):
         self.total_steps, self.first_step, self.tokens_per_step = total_steps, first_step, tokens_per_step
         self.unit, self.enabled = unit, enabled
         self.start = self.last_time = time.perf_counter()
         self.last_step = first_step
+        self.marks = collections.deque(maxlen=self.WINDOW)  # (step, time) of the recent reports after warm-up
         self.live = enabled and sys.stdout.isatty()
 
     def rate(self, step: int) -> float:
@@ -62,15 +71,25 @@ class Progress:
         self.last_step, self.last_time = step, now
         return rate
 
+    def eta(self, step: int, now: float) -> float | None:
+        """Record a report of `step` at `now`; the seconds left at the recent reports' pace, None in warm-up."""
+        if step - self.first_step >= self.WARMUP_STEPS and (not self.marks or step > self.marks[-1][0]):
+            self.marks.append((step, now))
+        if step >= self.total_steps:
+            return 0.0
+        if len(self.marks) < 2:
+            return None
+        (first, then), (last, at) = self.marks[0], self.marks[-1]
+        return (at - then) / (last - first) * (self.total_steps - step)
+
     def line(self, step: int, rate: float, **values: float) -> None:
         if not self.enabled:
             return
-        elapsed = time.perf_counter() - self.start
-        done = step - self.first_step
-        eta = elapsed / done * (self.total_steps - step) if done else 0.0
+        now = time.perf_counter()
+        eta = self.eta(step, now)
         fields = "  ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in values.items())
         text = (f"step {step}/{self.total_steps}  {fields}  {rate:,.0f} {self.unit}/s  "
-                f"elapsed {duration(elapsed)}  ETA {duration(eta)}")
+                f"elapsed {duration(now - self.start)}  ETA {'--' if eta is None else duration(eta)}")
         print(("\r" + text.ljust(110)) if self.live else text, end="" if self.live else "\n", flush=True)
 
     def message(self, text: str) -> None:

@@ -284,6 +284,15 @@ def test_bad_inputs_name_the_value(call, message, monkeypatch):
         call()
 
 
+def test_gate_takes_none_jitter_or_rsample_and_refuses_the_string_none():
+    """No noise is None; the recipes' flag spells it "None" and translates it before the gate."""
+    for policy in (None, "Jitter", "RSample"):
+        assert TopKGate(8, 4, noisy_gate_policy=policy).config.noisy_gate_policy == policy
+    refusal = r"^noisy_gate_policy must be one of \(None, 'Jitter', 'RSample'\), got 'None'$"
+    with pytest.raises(ValueError, match=refusal):
+        TopKGate(8, 4, noisy_gate_policy="None")
+
+
 def test_s_below_min_capacity_is_fine_without_dropping():
     plan = top1gating(torch.randn(3, 4), 1.0, 4, drop_tokens=False)
     assert bool(plan.kept_SK.all())

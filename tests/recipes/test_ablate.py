@@ -2,6 +2,7 @@
 table and TensorBoard runs are written, bad variants and combinations stop before anything trains."""
 
 import re
+import statistics
 
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -53,7 +54,16 @@ def test_variants_see_the_same_batches_and_seeds_give_mean_and_spread(tmp_path):
                                "--log-dir", str(tmp_path), "--out", str(tmp_path / "t.md")])
     assert [len(row["val_loss"]) for row in rows] == [2, 2]
     assert (tmp_path / "softmax_aux-seed1").is_dir() and (tmp_path / "global_aux-seed0").is_dir()
-    assert " +- " in (tmp_path / "t.md").read_text()
+    number = r"([0-9.]+) \+- ([0-9.]+)"
+    cells = re.findall(rf"^\| (\w+): .*? \| {number} \| {number} \| ", (tmp_path / "t.md").read_text(), re.MULTILINE)
+    assert [cell[0] for cell in cells] == ["softmax_aux", "global_aux"]
+    for (_, *figures), row in zip(cells, rows):  # final validation loss and MaxVio: mean +- spread over the seeds
+        loss, loss_spread, max_vio, max_vio_spread = map(float, figures)
+        assert (loss, loss_spread) == pytest.approx(
+            (statistics.fmean(row["val_loss"]), statistics.stdev(row["val_loss"])), abs=5e-5)
+        assert (max_vio, max_vio_spread) == pytest.approx(
+            (statistics.fmean(row["max_vio"]), statistics.stdev(row["max_vio"])), abs=5e-4)
+        assert max_vio_spread > 0  # the seeds route differently
     first = EventAccumulator(str(tmp_path / "softmax_aux-seed0"), size_guidance={"scalars": 0})
     second = EventAccumulator(str(tmp_path / "global_aux-seed0"), size_guidance={"scalars": 0})
     first.Reload(), second.Reload()

@@ -1,6 +1,8 @@
 """recipes.estimate: model states (the engine's accounting, memory_breakdown) against the ZeRO formula, activations
 (measured by LiveBytes) growing with the micro-batch."""
 
+import re
+
 import pytest
 
 from recipes import estimate
@@ -14,9 +16,23 @@ def test_model_states_accounting_matches_zero_formula(stage, dtype, capsys):
     result = estimate.main(SMALL + ["--stage", str(stage), "--dtype", dtype, "--micro-batch", "2"])
     for key, expected in result["zero"].items():
         assert abs(result["model_states"][key] - expected) <= 0.05 * expected, (key, result["model_states"][key], expected)
-    printed = capsys.readouterr().out
-    assert "peak per GPU" in printed and "fits in 80 GB" in printed
     assert result["peak"] >= sum(result["model_states"].values()) + result["activations"]
+    (peak, verdict, gpu), = _peak_lines(capsys.readouterr().out)
+    assert peak == pytest.approx(result["peak"], abs=0.051e6) and (verdict, gpu) == ("fits", 80)
+
+
+def _peak_lines(out: str) -> list[tuple[float, str, float]]:
+    """(bytes, verdict, GPU GB) of each printed 'peak per GPU' line."""
+    lines = re.findall(r"^peak per GPU +([0-9.]+) (GB|MB) +(fits|does NOT fit) in ([0-9.]+) GB$", out, re.MULTILINE)
+    return [(float(size) * {"GB": 1e9, "MB": 1e6}[unit], verdict, float(gpu)) for size, unit, verdict, gpu in lines]
+
+
+def test_the_verdict_compares_the_peak_with_the_gpu_memory(capsys):
+    result = estimate.main(SMALL + ["--micro-batch", "2"])
+    (peak, _, _), = _peak_lines(capsys.readouterr().out)
+    for gpu_gb, verdict in ((2 * peak / 1e9, "fits"), (peak / 2 / 1e9, "does NOT fit")):
+        assert estimate.main(SMALL + ["--micro-batch", "2", "--gpu-memory-gb", str(gpu_gb)])["peak"] == result["peak"]
+        assert _peak_lines(capsys.readouterr().out) == [(peak, verdict, pytest.approx(gpu_gb, rel=1e-5))]
 
 
 def test_measured_activations_grow_with_the_micro_batch():

@@ -1,5 +1,6 @@
 """The GPT and CIFAR recipes at tiny sizes: the loss falls, TensorBoard gets every statistic, resume continues."""
 
+import dataclasses
 import os
 import pathlib
 import pickle
@@ -13,7 +14,8 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from kernels import gemm
-from recipes import bench_gpt, cifar, compare_dense_moe, gpt
+from moe import TopKGate
+from recipes import bench_gpt, cifar, compare_dense_moe, gpt, runner
 from recipes.gpt_model import GPT
 
 CIFAR_JSON = pathlib.Path(cifar.__file__).parent / "configs" / "cifar.json"
@@ -67,14 +69,31 @@ def test_gpt_trains_logs_every_statistic_and_resumes_exactly(tmp_path, capsys):
     _same_curve(resumed["history"]["val"], straight["history"]["val"][1:])
 
     capsys.readouterr()
-    gpt.main(["sample", "--checkpoint-dir", str(tmp_path / "ckpt"), "--prompt", "The ", "--new-tokens", "20"])
-    assert capsys.readouterr().out.startswith("The ")
+    sample = ["sample", "--checkpoint-dir", str(tmp_path / "ckpt"), "--prompt", "The ", "--new-tokens", "20"]
+    sampled = gpt.main(sample)
+    assert capsys.readouterr().out == sampled["text"] + "\n" and sampled["text"].startswith("The ")
+    assert gpt.main(sample)["text"] == sampled["text"]  # --seed 0 both times
 
 
-def test_cifar_trains_logs_and_resumes_exactly(tmp_path):
+def _parsed(argv: list[str]) -> dict:
+    return vars(gpt.flag_parser(gpt.TrainConfig, "").parse_args(argv))
+
+
+def _numbers(pattern: str, text: str) -> list[float]:
+    return [float(x.replace(",", "")) for x in re.findall(pattern, text, re.MULTILINE)]
+
+
+def test_cifar_trains_logs_and_resumes_exactly(tmp_path, capsys):
     args = CIFAR_TINY + ["--log-dir", str(tmp_path), "--run-name", "run", "--checkpoint-dir", str(tmp_path / "ckpt")]
     straight = cifar.main(args + ["--epochs", "2"])
     first, second = straight["history"]
+    # epoch 1's speed: its 384 images over the time of its steps, which the progress reports at steps 8, 16
+    # and 24 (128 images each) measured; the epoch line prints the returned figure
+    step_rates = [e.value for e in _events(tmp_path / "run").Scalars("Train/images_per_s") if e.step <= 24]
+    assert len(step_rates) == 3 and straight["data"] == "synthetic"
+    assert first["images_per_s"] == pytest.approx(384 / sum(128 / r for r in step_rates), rel=0.1)
+    printed = _numbers(r"epoch \d: .* ([0-9,]+) img/s", capsys.readouterr().out)
+    assert printed == [round(e["images_per_s"]) for e in (first, second)]
     assert second["train_loss"] < first["train_loss"] and len(second["per_class"]) == 10
     assert 0 <= second["accuracy"] <= 1
     scalars = set(_events(tmp_path / "run").Tags()["scalars"])
@@ -87,6 +106,23 @@ def test_cifar_trains_logs_and_resumes_exactly(tmp_path):
     assert (again["epoch"], again["step"]) == (2, 48)
     for key in ("train_loss", "test_loss", "accuracy", "per_class"):
         assert again[key] == pytest.approx(second[key], rel=RTOL), key
+
+
+def test_cifar_without_its_files_says_what_to_pass_and_trains_on_the_synthetic_set(tmp_path, capsys):
+    _write_cifar_batches(tmp_path)
+    (tmp_path / "data_batch_3").unlink()
+    tiny = ["--train-size", "32", "--test-size", "16", "--epochs", "1", "--log-dir", str(tmp_path / "runs")]
+    for data_dir in ("", str(tmp_path)):
+        result = cifar.main(tiny + (["--data-dir", data_dir] if data_dir else []))
+        assert result["data"] == "synthetic" and result["global_steps"] == 2  # 32 of the synthetic set's images
+        said = [line for line in capsys.readouterr().out.splitlines() if "SYNTHETIC" in line]
+        assert len(said) == 1, said
+        flags = {"--" + field.name.replace("_", "-") for field in dataclasses.fields(cifar.CifarConfig)}
+        assert set(re.findall(r"--[a-z][a-z-]*", said[0])) == {"--data-dir"} <= flags
+        if data_dir:  # the folder and what it lacks
+            assert re.search(rf"in --data-dir {re.escape(data_dir)} \(missing: data_batch_3\)", said[0]), said[0]
+        else:
+            assert said[0].startswith("no --data-dir given: ") and "cifar-10-batches-py" in said[0], said[0]
 
 
 def _write_cifar_batches(folder, images_per_batch=20):
@@ -148,9 +184,11 @@ def test_cifar_under_torchrun_with_expert_parallelism(tmp_path):
                          "--config", str(CIFAR_JSON),
                          "--log-dir", str(tmp_path), "--run-name", "run"]
     out = _torchrun("recipes.cifar", *args).stdout
-    losses = [float(x) for x in re.findall(r"epoch \d: train loss ([0-9.]+)", out)]
+    losses = _numbers(r"^epoch \d: train loss ([0-9.]+)", out)
     assert len(losses) == 2 and losses[1] < losses[0], out
-    assert "SYNTHETIC" in out and "test accuracy" in out
+    accuracy = _numbers(r"^epoch \d: .* test accuracy ([0-9.]+)%", out)
+    assert len(accuracy) == 2 and all(0 <= a <= 100 for a in accuracy), out
+    assert len([line for line in out.splitlines() if "SYNTHETIC" in line]) == 1  # said once, by rank 0
     assert TRAIN_SCALARS <= set(_events(tmp_path / "run").Tags()["scalars"])
 
 
@@ -178,6 +216,18 @@ def test_a_wrong_flag_stops_with_one_line(recipe, argv, message, capsys):
     assert len(err.strip().splitlines()) == 1 and re.search(message, err), err
 
 
+@pytest.mark.parametrize("flag, policy", [("None", None), ("Jitter", "Jitter"), ("RSample", "RSample")])
+def test_the_noisy_gate_policy_flag_reaches_every_gate(flag, policy):
+    """The flag's "None" is the gate's None (the gate itself refuses the string)."""
+    gpt_cfg, _ = runner.checked_config(gpt.RECIPE, runner.parser_for(gpt.RECIPE),
+                                       GPT_TINY + ["--noisy-gate-policy", flag], world=1)
+    cifar_cfg, _ = runner.checked_config(cifar.RECIPE, runner.parser_for(cifar.RECIPE),
+                                         ["--moe", "--num-experts", "2", "2", "--noisy-gate-policy", flag], world=1)
+    for model, layers in ((GPT(gpt.model_config(gpt_cfg)), 1), (cifar.Net(cifar_cfg), 2)):
+        gates = [m for m in model.modules() if isinstance(m, TopKGate)]
+        assert len(gates) == layers and all(g.config.noisy_gate_policy == policy for g in gates)
+
+
 def test_a_bad_engine_config_file_stops_with_one_line(tmp_path):
     config = tmp_path / "engine.json"
     config.write_text('{"zero_optimization": {"stage": 7}}')
@@ -196,8 +246,13 @@ def test_the_comparison_writes_its_table(tmp_path):
     dense, moe = rows
     assert dense["total"] == dense["active"] < moe["total"]
     assert moe["active"] - dense["active"] == 16 * 8 + 16  # the router, and a second output bias per token
-    text = out.read_text()
-    assert "| dense | " in text and "| MoE 8 experts, top-2 | " in text
+    table = [line.strip("|").split(" | ") for line in out.read_text().splitlines() if line.startswith("| ")][2:]
+    assert [cells[0].strip() for cells in table] == ["dense", "MoE 8 experts, top-2"]
+    for cells, row in zip(table, rows):
+        total, active, tokens, val_loss, tokens_per_s = (float(c.replace(",", "")) for c in cells[1:])
+        assert (total, active, tokens) == (row["total"], row["active"], 6 * 4 * 16)
+        assert val_loss == pytest.approx(row["val_loss"], abs=5e-5) and 0 < val_loss < 6
+        assert tokens_per_s == pytest.approx(row["tokens_per_s"], abs=0.51)
 
 
 def test_gpt_compile_flag_compiles_the_model_in_place(tmp_path, monkeypatch):
@@ -236,7 +291,16 @@ def test_bench_gpt_times_both_models(capsys):
     results = bench_gpt.main(GPT_TINY + ["--steps", "2", "--warmup", "1"])
     assert set(results) == {"moe", "dense"} and all(rate > 0 for rate in results.values())
     out = capsys.readouterr().out
-    assert "CPU: " in out and "MoE / dense tokens/s: " in out
+    printed = {name: _numbers(r"([0-9.,]+)", figures) for name, figures in re.findall(
+        r"^(moe|dense) +([0-9,]+ parameters +[0-9,]+ active +[0-9.]+ ms/step +[0-9.]+) tokens/s$", out, re.MULTILINE)}
+    assert set(printed) == {"moe", "dense"}, out
+    for name, (total, active, ms, tokens_per_s) in printed.items():
+        cfg = gpt.TrainConfig(**{**_parsed(GPT_TINY), "dense": name == "dense"})
+        assert (total, active) == GPT(gpt.model_config(cfg)).parameter_counts(), name
+        assert tokens_per_s == pytest.approx(results[name], abs=0.51)
+        assert ms == pytest.approx(8 * 32 / results[name] * 1e3, abs=0.051)  # 8 sequences of 32 tokens per step
+    ratio = _numbers(r"^MoE / dense tokens/s: ([0-9.]+)$", out)
+    assert ratio == [pytest.approx(results["moe"] / results["dense"], abs=5e-4)]
 
 
 def test_a_diverging_run_stops_with_one_line_and_saves_no_nonfinite_weights(tmp_path, capsys):
@@ -305,6 +369,35 @@ def test_checkpoint_folder_guards(tmp_path, capsys):
     assert code == 2 and err.endswith(f"--checkpoint-dir {a_file} is a file, not a folder"), err
     code, err = _gpt_exit(GPT_TINY + ["--keep-last", "-1"], capsys)
     assert code == 2 and "--keep-last must be 0 (keep all) or more, got -1" in err, err
+
+
+def _flags(config_class) -> set[str]:
+    return {"--" + field.name.replace("_", "-") for field in dataclasses.fields(config_class)}
+
+
+def test_help_names_the_sample_command_and_it_answers_help_with_its_flags(capsys):
+    with pytest.raises(SystemExit) as stop:
+        gpt.main(["--help"])
+    assert stop.value.code == 0
+    usage = capsys.readouterr().out.split("\n\n")[0]
+    commands = re.findall(r"recipes\.gpt((?: [a-z]+)*) \[flags\]", usage)
+    assert commands == ["", " sample"], usage
+    with pytest.raises(SystemExit) as stop:
+        gpt.main(commands[1].split() + ["--help"])
+    assert stop.value.code == 0
+    assert set(re.findall(r"^  (--[a-z-]+)", capsys.readouterr().out, re.MULTILINE)) == _flags(gpt.SampleConfig)
+
+
+@pytest.mark.parametrize("where", ["missing", "empty", "unnamed"])
+def test_sample_without_a_checkpoint_names_the_folder_and_flags_sample_has(where, tmp_path, capsys):
+    folder = {"missing": str(tmp_path / "nothing"), "empty": str(tmp_path), "unnamed": ""}[where]
+    code, err = _gpt_exit(["sample"] + (["--checkpoint-dir", folder] if folder else []), capsys)
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert err.startswith(f"recipes.gpt sample: error: --checkpoint-dir {folder} " if folder else
+                          "recipes.gpt sample: error: --checkpoint-dir is needed: "), err
+    named = set(re.findall(r"--[a-z][a-z-]*", err))
+    assert named and named <= _flags(gpt.SampleConfig) & _flags(gpt.TrainConfig), err  # flags of both commands
+    assert "tag=" not in err, err
 
 
 def test_bad_data_and_config_files_stop_with_one_line(tmp_path, capsys):

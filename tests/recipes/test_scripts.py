@@ -1,6 +1,17 @@
-"""The demo and the benchmark run end to end at tiny sizes."""
+"""The demo and the benchmarks run end to end at tiny sizes; what they print is what they measured."""
+
+import math
+import re
+import subprocess
+import sys
+
+import pytest
 
 from recipes import bench_moe, demo
+
+
+def _floats(*groups: str) -> list[float]:
+    return [float(g.replace(",", "")) for g in groups]
 
 
 def test_demo_trains_and_the_moe_beats_its_dense_twin():
@@ -8,32 +19,62 @@ def test_demo_trains_and_the_moe_beats_its_dense_twin():
     assert result["moe"] < result["dense"]
 
 
-def test_benchmark_prints_figures(capsys):
-    results = bench_moe.main(["--tokens", "256", "--hidden", "32", "--ffn", "64", "--experts", "4", "--k", "2",
+def test_benchmark_prints_the_figures_it_returns(capsys):
+    tokens, k = 256, 2
+    results = bench_moe.main(["--tokens", str(tokens), "--hidden", "32", "--ffn", "64", "--experts", "4", "--k", str(k),
                               "--steps", "2", "--warmup", "1", "--deepspeed", "off"])
-    out = capsys.readouterr().out
-    assert "tokens/s" in out and "expert matmuls alone" in out
-    assert results["ours"]["ms"] > 0 and results["ours"]["matmul_ms"] > 0
+    row = re.search(r"^ours +([0-9.]+) ms/step +([0-9.]+) tokens/s  peak +([0-9.]+) MiB  expert matmuls alone +"
+                    r"([0-9.]+) ms on (\d+) rows = +([0-9.]+)% of the step$", capsys.readouterr().out, re.MULTILINE)
+    assert row, "the row of our layer"
+    ms, tokens_per_s, peak_mib, matmul_ms, rows, percent = _floats(*row.groups())
+    ours = results["ours"]
+    assert ours["ms"] > 0 and ours["matmul_ms"] > 0 and ours["peak_bytes"] > 0
+    assert (ms, matmul_ms) == (pytest.approx(ours["ms"], abs=0.051), pytest.approx(ours["matmul_ms"], abs=0.051))
+    assert tokens_per_s == pytest.approx(tokens / ours["ms"] * 1e3, abs=0.51)
+    assert peak_mib == pytest.approx(ours["peak_bytes"] / 2**20, abs=0.051)
+    assert percent == pytest.approx(100 * ours["matmul_ms"] / ours["ms"], abs=0.051)
+    assert tokens <= rows <= tokens * k  # the expert rows are the kept choices; few are dropped at capacity 1.25
 
 
-def test_kernel_benchmark_prints_bandwidth(capsys):
+def test_kernel_benchmark_reports_bandwidth_from_the_bytes_each_op_moves(capsys):
     from recipes import bench_kernels
 
-    bench_kernels.main(["--tokens", "64", "--hidden", "32", "--experts", "4", "--steps", "1", "--warmup", "0",
-                        "--dtype", "fp32", "--device", "cpu"])
-    out = capsys.readouterr().out
-    assert "GB/s" in out and "permute (torch)" in out and "% of copy" in out
+    S, K, M, E, capacity_factor = 64, 2, 32, 4, 1.25
+    results = bench_kernels.main(["--tokens", str(S), "--hidden", str(M), "--experts", str(E), "--k", str(K),
+                                  "--capacity-factor", str(capacity_factor), "--steps", "1", "--warmup", "0",
+                                  "--dtype", "fp32", "--device", "cpu"])
+    printed = {name: _floats(*figures) for name, *figures in re.findall(
+        r"^(\S.*?) +([0-9.]+) ms +([0-9.]+) GB/s +([0-9.]+)% of copy$", capsys.readouterr().out, re.MULTILINE)}
+    assert set(printed) == {"permute (torch)", "permute (reference)", "unpermute_combine (torch)",
+                            "unpermute_combine (reference)"}
+    copy = results["copy"]
+    assert copy["gbs"] == pytest.approx(copy["bytes"] / copy["ms"] / 1e6)
+    for name, (ms, gbs, percent) in printed.items():
+        row = results[name]
+        assert row["gbs"] == pytest.approx(row["bytes"] / row["ms"] / 1e6), name
+        assert (ms, gbs) == (pytest.approx(row["ms"], abs=6e-4), pytest.approx(row["gbs"], abs=0.051)), name
+        assert percent == pytest.approx(100 * row["gbs"] / copy["gbs"], abs=0.051), name
+    # permute reads each kept row and writes the whole buffer (E x capacity rows); combine reads each kept row
+    # and writes every token: the same kept rows in both
+    rows_N = E * math.ceil(S * K * capacity_factor / E)
+    kept_permute = results["permute (torch)"]["bytes"] / (M * 4) - rows_N
+    kept_combine = results["unpermute_combine (torch)"]["bytes"] / (M * 4) - S
+    assert kept_permute == kept_combine and 0 < kept_permute <= S * K
+    assert results["permute (reference)"]["bytes"] == results["permute (torch)"]["bytes"]
 
 
 def test_demo_under_torchrun_with_expert_parallelism(tmp_path):
-    import subprocess
-    import sys
-
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                "-m", "recipes.demo", "--experts", "4", "--ep-world-size", "2", "--steps", "20", "--log-interval", "10"]
     done = subprocess.run(command, capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "rank 0: holds experts 0..1" in done.stdout and "rank 1: holds experts 2..3" in done.stdout
+    held = {int(rank): (int(first), int(last), [int(c) for c in counts.split(",")]) for rank, first, last, counts in
+            re.findall(r"^rank (\d): holds experts (\d+)\.\.(\d+); its tokens went to experts \[([0-9, ]+)\]",
+                       done.stdout, re.MULTILINE)}
+    assert sorted(held) == [0, 1], done.stdout
+    assert [held[rank][:2] for rank in (0, 1)] == [(0, 1), (2, 3)]  # blocks of experts / ep_size, in rank order
+    for _, _, counts in held.values():  # a rank's tokens, by global expert: at most one choice per token (k = 1)
+        assert len(counts) == 4 and 0 < sum(counts) <= 512
     bad = subprocess.run([sys.executable, "-m", "recipes.demo", "--ep-world-size", "3"], capture_output=True, text=True,
                          timeout=120)
     assert bad.returncode != 0 and "--ep-world-size (3) must divide" in bad.stderr
@@ -45,8 +86,14 @@ def test_engine_benchmark_matches_the_zero_accounting_in_one_process(capsys):
 
     rows = bench_engine.main(["--blocks", "2", "--hidden", "32", "--ffn", "64", "--experts", "4", "--tokens", "64",
                               "--steps", "1", "--warmup", "1", "--stages", "0", "1", "2", "3", "--deepspeed", "off"])
-    out = capsys.readouterr().out
-    assert len(rows) == 4 and "ZeRO says" in out and "CPU: " in out
+    printed = {int(stage): _floats(*figures) for stage, *figures in re.findall(
+        r"^stage (\d): ours +([0-9.]+) ms +\| ours step peak +([0-9.]+) MiB, model states +([0-9.]+) MiB "
+        r"\(ZeRO says +([0-9.]+)\)$", capsys.readouterr().out, re.MULTILINE)}
+    assert len(rows) == 4 and sorted(printed) == [row["stage"] for row in rows] == [0, 1, 2, 3]
     for row in rows:  # one process: nothing to shard, so every stage holds everything
         assert abs(row["model_states"] - row["zero"]) <= 0.01 * row["zero"], row
         assert row["ms"]["ours"] > 0 and row["peak"]["ours"] > 0 and "deepspeed" not in row["ms"]
+        ms, peak, states, zero = printed[row["stage"]]
+        assert ms == pytest.approx(row["ms"]["ours"], abs=0.051)
+        assert (peak, states, zero) == pytest.approx(
+            (row["peak"]["ours"] / 2**20, row["model_states"] / 2**20, row["zero"] / 2**20), abs=0.051)
