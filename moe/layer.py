@@ -30,7 +30,7 @@ from parallel import expert_groups
 
 __all__ = ["MoE", "MOELayer"]
 
-EXPERT_COMPUTE = ("auto", "packed", "grouped", "padded")
+EXPERT_LAYOUTS = ("auto", "packed", "grouped", "padded")
 EXPERT_INIT = ("copy", "per_expert_seed")
 EXCHANGES = ("per_choice", "per_rank")
 
@@ -45,7 +45,7 @@ class MOELayer(nn.Module):
         ep_size: expert-parallel size.
         num_local_experts: L.
         ep_group: the expert-parallel process group (None when ep_size is 1).
-        expert_compute: "packed" (rows sorted by expert, no padding, products per expert), "grouped"
+        expert_layout: "packed" (rows sorted by expert, no padding, products per expert), "grouped"
             (the same rows, one grouped GEMM per layer), "padded" (the capacity
             buffer, batched products, no host sync) or "auto": on the CPU packed rows, where empty slots
             would cost product time, with per-expert or grouped products as measured (kernels.gemm);
@@ -55,14 +55,14 @@ class MOELayer(nn.Module):
     """
 
     def __init__(self, gate: TopKGate, experts: Experts, ep_group_name: str, ep_size: int, num_local_experts: int,
-                 expert_compute: str = "auto", ep_group=None, exchange: str = "per_choice"):
+                 expert_layout: str = "auto", ep_group=None, exchange: str = "per_choice"):
         super().__init__()
-        if expert_compute not in EXPERT_COMPUTE:
-            raise ValueError(f"expert_compute must be one of {EXPERT_COMPUTE}, got {expert_compute!r}")
+        if expert_layout not in EXPERT_LAYOUTS:
+            raise ValueError(f"expert_layout must be one of {EXPERT_LAYOUTS}, got {expert_layout!r}")
         if exchange not in EXCHANGES:
             raise ValueError(f"exchange must be one of {EXCHANGES}, got {exchange!r}")
-        if exchange == "per_rank" and expert_compute == "padded":
-            raise ValueError("exchange='per_rank' sends variable rows per rank; expert_compute must be 'auto', "
+        if exchange == "per_rank" and expert_layout == "padded":
+            raise ValueError("exchange='per_rank' sends variable rows per rank; expert_layout must be 'auto', "
                              "'packed' or 'grouped', got 'padded'")
         self.exchange = exchange
         self.gate = gate
@@ -70,14 +70,14 @@ class MOELayer(nn.Module):
         self.ep_group_name = ep_group_name
         self.ep_size = ep_size
         self.num_local_experts = num_local_experts
-        self.expert_compute = expert_compute
+        self.expert_layout = expert_layout
         self.ep_group = ep_group
         self.l_aux = self.exp_counts = self.z_loss = self.routing = None
 
-    def _compute(self, device: torch.device) -> str:
+    def _layout(self, device: torch.device) -> str:
         """The expert layout for this forward: "auto" resolves by device and by dropping."""
-        if self.expert_compute != "auto":
-            return self.expert_compute
+        if self.expert_layout != "auto":
+            return self.expert_layout
         if device.type == "cpu":
             return "packed"
         return "padded" if self.gate.config.drop_tokens and self.exchange == "per_choice" else "grouped"
@@ -88,14 +88,14 @@ class MOELayer(nn.Module):
         # experts in one process (a buffer of fixed size S * K, the counts stay on the device); one
         # otherwise (the dropless capacity, or the row counts that slice sizes and splits need).
         routing = self.gate(x_SM, used_token, seq_len)
-        compute = self._compute(x_SM.device)
+        layout = self._layout(x_SM.device)
         # on the CPU, "auto" lets the experts time products per expert against the grouped GEMM
-        grouped = True if compute == "grouped" else (None if self.expert_compute == "auto" else False)
+        grouped = True if layout == "grouped" else (None if self.expert_layout == "auto" else False)
         if self.ep_size > 1 and self.exchange == "per_rank":
             out_SM = run_experts_per_rank(self.experts, x_SM, routing, self.ep_size, self.ep_group, grouped_gemm=grouped)
             self.routing, self.l_aux, self.exp_counts, self.z_loss = routing, routing.l_aux, routing.exp_counts, routing.z_loss
             return out_SM
-        if compute == "padded":
+        if layout == "padded":
             row_SK = buffer_rows(routing.expert_idx_SK, routing.slot_SK, capacity=routing.capacity)
             num_rows = routing.num_experts * routing.capacity
             if self.ep_size > 1 and self.gate.config.drop_tokens:  # (expert choice always has a fixed capacity)
@@ -148,7 +148,8 @@ class MoE(nn.Module):
         enable_expert_tensor_parallelism: must be False (expert tensor parallelism is not supported).
         top2_2nd_expert_sampling: Gumbel-sample the second expert for top-2 (training only).
         drop_policy: for k > 2, "probs" (keep the largest gates) or "position" (keep the first tokens).
-        expert_compute: "auto", "packed", "grouped" or "padded"; see MOELayer.
+        expert_layout: "auto", "packed", "grouped" or "padded"; see MOELayer. (`expert_compute`, its
+            earlier name, is still accepted with a DeprecationWarning.)
         dropless: route every choice (implies drop_tokens=False) and pack tokens by expert with no
             padding on every device; experts run on variable-sized groups (MegaBlocks-style).
         expert_init: "copy" (DeepSpeed: every expert a deep copy of `expert`) or "per_expert_seed"
@@ -183,14 +184,19 @@ class MoE(nn.Module):
         capacity_factor: float = 1.0, eval_capacity_factor: float = 1.0, min_capacity: int = 4,
         use_residual: bool = False, noisy_gate_policy: str | None = None, drop_tokens: bool = True,
         use_rts: bool = True, use_tutel: bool = False, enable_expert_tensor_parallelism: bool = False,
-        top2_2nd_expert_sampling: bool = True, *, drop_policy: str = "probs", expert_compute: str = "auto",
+        top2_2nd_expert_sampling: bool = True, *, drop_policy: str = "probs", expert_layout: str = "auto",
         dropless: bool = False, expert_init: str = "copy", seed: int = 0, use_data_before_expert_parallel: bool = False,
         scoring_func: str = "softmax", norm_topk_prob: bool | None = None, routed_scaling_factor: float = 1.0,
         bias_update_speed: float = 0.0, load_balancing_type: str = "aux_loss", n_group: int | None = None,
         topk_group: int | None = None, routing: str = "token_choice", n_shared_experts: int = 0,
         shared_expert: nn.Module | None = None, shared_expert_gate: bool = False, exchange: str = "per_choice",
+        expert_compute: str | None = None,
     ):
         super().__init__()
+        if expert_compute is not None:  # the earlier name of expert_layout
+            warnings.warn("MoE(expert_compute=...) is renamed expert_layout; expert_compute will be removed",
+                          DeprecationWarning, stacklevel=2)
+            expert_layout = expert_compute
         if isinstance(ep_size, bool) or not isinstance(ep_size, int) or ep_size < 1:
             raise ValueError(f"ep_size must be an int >= 1, got {ep_size!r}")
         if isinstance(num_experts, int) and num_experts % ep_size:
@@ -202,15 +208,15 @@ class MoE(nn.Module):
         if dropless:
             if routing == "expert_choice":
                 raise ValueError("routing='expert_choice' fills every expert with exactly C tokens; dropless must be False")
-            if expert_compute == "padded":
+            if expert_layout == "padded":
                 raise ValueError(
-                    "dropless=True packs tokens without padding; expert_compute must be 'auto', 'packed' or 'grouped'"
+                    "dropless=True packs tokens without padding; expert_layout must be 'auto', 'packed' or 'grouped'"
                 )
             drop_tokens = False
         if exchange not in EXCHANGES:
             raise ValueError(f"exchange must be one of {EXCHANGES}, got {exchange!r}")
-        if exchange == "per_rank" and expert_compute == "padded":
-            raise ValueError("exchange='per_rank' sends variable rows per rank; expert_compute must be 'auto', "
+        if exchange == "per_rank" and expert_layout == "padded":
+            raise ValueError("exchange='per_rank' sends variable rows per rank; expert_layout must be 'auto', "
                              "'packed' or 'grouped', got 'padded'")
         if expert_init not in EXPERT_INIT:
             raise ValueError(f"expert_init must be one of {EXPERT_INIT}, got {expert_init!r}")
@@ -240,7 +246,7 @@ class MoE(nn.Module):
             use_data_before_expert_parallel=use_data_before_expert_parallel,
         )
         self.deepspeed_moe = MOELayer(
-            gate, experts, self.expert_group_name, ep_size, self.num_local_experts, expert_compute, ep_group, exchange
+            gate, experts, self.expert_group_name, ep_size, self.num_local_experts, expert_layout, ep_group, exchange
         )
         if use_residual:
             self.mlp = expert

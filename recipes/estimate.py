@@ -51,7 +51,7 @@ class EstimateConfig:
     expert_ffn: int = field(default=0, metadata={"help": "expert hidden width (0: ffn / top-k)"})
     capacity_factor: float = 1.25
     dropless: bool = False
-    expert_compute: str = field(default="auto", metadata={"choices": ["auto", "packed", "grouped", "padded"]})
+    expert_layout: str = field(default="auto", metadata={"choices": ["auto", "packed", "grouped", "padded"]})
     seq_len: int = 128
     micro_batch: int = field(default=32, metadata={"help": "sequences per micro-batch and GPU"})
     world_size: int = field(default=8, metadata={"help": "GPUs in the simulated run"})
@@ -88,7 +88,7 @@ def _train_config(cfg: EstimateConfig) -> gpt.TrainConfig:
     return gpt.TrainConfig(
         n_layer=cfg.n_layer, n_head=cfg.n_head, n_embd=cfg.n_embd, ffn=cfg.ffn, moe_every=cfg.moe_every,
         num_experts=cfg.num_experts, top_k=cfg.top_k, expert_ffn=cfg.expert_ffn, capacity_factor=cfg.capacity_factor,
-        dropless=cfg.dropless, expert_compute=cfg.expert_compute, seq_len=cfg.seq_len, batch_size=cfg.micro_batch,
+        dropless=cfg.dropless, expert_layout=cfg.expert_layout, seq_len=cfg.seq_len, batch_size=cfg.micro_batch,
         ep_world_size=cfg.ep_world_size, stage=cfg.stage, dtype=cfg.dtype, steps=2, run_name="estimate",
     )
 

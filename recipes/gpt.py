@@ -60,7 +60,7 @@ class TrainConfig:
     eval_capacity_factor: float = 2.0
     min_capacity: int = 4
     dropless: bool = False
-    expert_compute: str = field(default="auto", metadata={
+    expert_layout: str = field(default="auto", metadata={
         "choices": ["auto", "packed", "grouped", "padded"],
         "help": "expert layout (auto: packed on CPU; on GPU padded, or grouped when dropless)"})
     noisy_gate_policy: str = noisy_gate_policy_field()

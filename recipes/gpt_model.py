@@ -36,7 +36,7 @@ class GPTConfig:
     eval_capacity_factor: float = 2.0
     min_capacity: int = 4
     dropless: bool = False
-    expert_compute: str = "auto"
+    expert_layout: str = "auto"
     noisy_gate_policy: str | None = None
     ep_size: int = 1
     seed: int = 0
@@ -112,7 +112,7 @@ class Block(nn.Module):
                            ep_size=cfg.ep_size, k=cfg.top_k, capacity_factor=cfg.capacity_factor,
                            eval_capacity_factor=cfg.eval_capacity_factor, min_capacity=cfg.min_capacity,
                            noisy_gate_policy=cfg.noisy_gate_policy, dropless=cfg.dropless,
-                           expert_compute=cfg.expert_compute, seed=cfg.seed, **cfg.moe_options())
+                           expert_layout=cfg.expert_layout, seed=cfg.seed, **cfg.moe_options())
         else:
             self.ffn = mlp(cfg.n_embd, cfg.ffn)
         self.drop = nn.Dropout(cfg.dropout)

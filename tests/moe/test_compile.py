@@ -25,12 +25,12 @@ from moe import MoE
 FP32 = {"rtol": 1e-5, "atol": 1e-5}
 
 
-def _stack(expert_compute: str) -> nn.ModuleList:
+def _stack(expert_layout: str) -> nn.ModuleList:
     """A top-1 and a top-2 layer, both dropping (capacity factor 0.75): two MoE layers per compiled call."""
     torch.manual_seed(0)
     expert = nn.Sequential(nn.Linear(8, 12), nn.GELU(), nn.Linear(12, 8))
     return nn.ModuleList([MoE(8, expert, num_experts=4, k=k, capacity_factor=0.75, min_capacity=0,
-                              expert_compute=expert_compute) for k in (1, 2)])
+                              expert_layout=expert_layout) for k in (1, 2)])
 
 
 def _step(layers: nn.ModuleList, x: torch.Tensor):
@@ -64,13 +64,13 @@ def _assert_same(compiled, eager) -> None:
         assert torch.equal(got, want)
 
 
-def _compare(expert_compute: str, backend, fullgraph: bool | None = None):
+def _compare(expert_layout: str, backend, fullgraph: bool | None = None):
     x_SM = torch.randn(24, 8, generator=torch.Generator().manual_seed(2))
-    eager = _run(_stack(expert_compute), _step, x_SM)
-    layers = _stack(expert_compute)
+    eager = _run(_stack(expert_layout), _step, x_SM)
+    layers = _stack(expert_layout)
     assert bool((layers[0].deepspeed_moe.gate(x_SM).expert_idx_SK < 0).any()), "the test should drop choices"
     torch._dynamo.reset()
-    fullgraph = expert_compute == "padded" if fullgraph is None else fullgraph
+    fullgraph = expert_layout == "padded" if fullgraph is None else fullgraph
     compiled = torch.compile(_step, backend=backend, fullgraph=fullgraph)
     return _run(layers, compiled, x_SM), eager
 
@@ -81,9 +81,9 @@ def test_padded_fullgraph_inductor_matches_eager():
     _assert_same(compiled, eager)
 
 
-@pytest.mark.parametrize("expert_compute", ["packed", "grouped"])
+@pytest.mark.parametrize("expert_layout", ["packed", "grouped"])
 @mock.patch.object(torch._dynamo.config, "nested_graph_breaks", True)
-def test_packed_and_grouped_break_once_per_layer(expert_compute):
+def test_packed_and_grouped_break_once_per_layer(expert_layout):
     graphs = []
 
     def counting(gm, example_inputs):
@@ -91,7 +91,7 @@ def test_packed_and_grouped_break_once_per_layer(expert_compute):
         return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
 
     torch._dynamo.utils.counters.clear()
-    compiled, eager = _compare(expert_compute, counting)
+    compiled, eager = _compare(expert_layout, counting)
     _assert_same(compiled, eager)
     # two layers, each reading its kept counts on the host once: two breaks, three graphs, and at most
     # one recompile (both layers resume in the same code after their break, with other counts)
@@ -100,9 +100,9 @@ def test_packed_and_grouped_break_once_per_layer(expert_compute):
     assert 3 <= len(graphs) <= 4
 
 
-@pytest.mark.parametrize("expert_compute", ["packed", "grouped"])
+@pytest.mark.parametrize("expert_layout", ["packed", "grouped"])
 @mock.patch.object(torch._dynamo.config, "capture_scalar_outputs", True)
-def test_packed_and_grouped_compile_whole_with_symbolic_counts(expert_compute):
+def test_packed_and_grouped_compile_whole_with_symbolic_counts(expert_layout):
     """With capture_scalar_outputs the host read becomes symbolic sizes: no break at all (fullgraph)."""
-    compiled, eager = _compare(expert_compute, "aot_eager", fullgraph=True)
+    compiled, eager = _compare(expert_layout, "aot_eager", fullgraph=True)
     _assert_same(compiled, eager)

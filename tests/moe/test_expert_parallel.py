@@ -25,7 +25,7 @@ def _layer(ep_size, k, layout):
     if layout == "dropless":
         kwargs.update(dropless=True)
     else:
-        kwargs.update(capacity_factor=0.9, expert_compute=layout)
+        kwargs.update(capacity_factor=0.9, expert_layout=layout)
     torch.manual_seed(0)
     return MoE(M, nn.Sequential(nn.Linear(M, H), nn.GELU(), nn.Linear(H, M)), **kwargs)
 

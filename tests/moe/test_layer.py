@@ -74,7 +74,7 @@ def test_stacked_experts_equal_the_module_loop(act, compute):
     torch.manual_seed(2)
     expert = _mlp(8, 40, act)
     kwargs = dict(num_experts=4, k=2, capacity_factor=1.0, min_capacity=0, top2_2nd_expert_sampling=False)
-    stacked = MoE(8, expert, expert_compute=compute, **kwargs)
+    stacked = MoE(8, expert, expert_layout=compute, **kwargs)
     with torch.no_grad():  # distinct experts, as after training
         for p in stacked.deepspeed_moe.experts.parameters():
             p.add_(torch.randn_like(p) * 0.1)
@@ -234,7 +234,7 @@ class _LargestTensor(TorchDispatchMode):
 def test_no_tensor_of_size_s_e_c_in_forward_or_backward(compute):
     torch.manual_seed(10)
     S, M, E = 256, 8, 16
-    layer = MoE(M, _mlp(M, 16), num_experts=E, k=2, capacity_factor=1.25, expert_compute=compute)
+    layer = MoE(M, _mlp(M, 16), num_experts=E, k=2, capacity_factor=1.25, expert_layout=compute)
     x = torch.randn(S, M, requires_grad=True)
     with _LargestTensor() as mode:
         out, l_aux, _ = layer(x)
@@ -250,7 +250,7 @@ def test_no_tensor_of_size_s_e_c_in_forward_or_backward(compute):
         (dict(num_experts=2, k=3), ValueError, r"k \(3\) must be between 1 and num_experts \(2\)"),
         (dict(num_experts=2, noisy_gate_policy="Uniform"), ValueError, "noisy_gate_policy"),
         (dict(num_experts=2, capacity_factor=-1.0), ValueError, "capacity_factor must be a number > 0"),
-        (dict(num_experts=2, expert_compute="dense"), ValueError, "expert_compute"),
+        (dict(num_experts=2, expert_layout="dense"), ValueError, "expert_layout"),
         (dict(num_experts=2, ep_size=0), ValueError, "ep_size must be an int >= 1"),
     ],
 )
@@ -280,7 +280,7 @@ def test_dropless_equals_capacity_path_that_drops_nothing(k):
     torch.manual_seed(11)
     expert = _mlp()
     kwargs = dict(num_experts=4, k=k, min_capacity=0, top2_2nd_expert_sampling=False, use_rts=False)
-    roomy = MoE(8, expert, capacity_factor=8.0, expert_compute="padded", **kwargs)
+    roomy = MoE(8, expert, capacity_factor=8.0, expert_layout="padded", **kwargs)
     dropless = MoE(8, expert, capacity_factor=0.1, dropless=True, **kwargs)
     dropless.load_state_dict(roomy.state_dict())
     x = torch.randn(40, 8, requires_grad=True)
@@ -308,14 +308,14 @@ def test_dropless_never_drops_even_with_skewed_routing():
     assert bool(layer.deepspeed_moe.routing.kept_SK.all()) and int(counts.sum()) == 128
     torch.testing.assert_close(out, _reference(layer, x), **FP32)
     with pytest.raises(ValueError, match="dropless=True"):
-        MoE(8, _mlp(), num_experts=4, dropless=True, expert_compute="padded")
+        MoE(8, _mlp(), num_experts=4, dropless=True, expert_layout="padded")
 
 
 @pytest.mark.parametrize("compute", ["packed", "padded"])
 def test_layer_on_triton_kernels_equals_torch_path(compute, monkeypatch):
     torch.manual_seed(13)
     layer = MoE(8, _mlp(8, 12), num_experts=4, k=2, capacity_factor=0.75, min_capacity=0,
-                top2_2nd_expert_sampling=False, expert_compute=compute).to(DEVICE)
+                top2_2nd_expert_sampling=False, expert_layout=compute).to(DEVICE)
     x = torch.randn(20, 8, device=DEVICE)
     results = []
     for backend in ("torch", "triton"):
@@ -345,8 +345,8 @@ def test_grouped_gemm_path_equals_per_expert_products(bias, gemm, dropless, monk
     torch.manual_seed(14)
     expert = _mlp(8, 16, nn.GELU, bias=bias)
     kwargs = dict(num_experts=4, k=2, dropless=dropless, top2_2nd_expert_sampling=False, capacity_factor=0.5)
-    grouped = MoE(8, expert, expert_compute="grouped", **kwargs)
-    packed = MoE(8, expert, expert_compute="packed", **kwargs)
+    grouped = MoE(8, expert, expert_layout="grouped", **kwargs)
+    packed = MoE(8, expert, expert_layout="packed", **kwargs)
     with torch.no_grad():
         for p in grouped.parameters():
             p.add_(torch.randn_like(p) * 0.1)
@@ -376,3 +376,11 @@ def test_backward_twice_with_retained_graph_doubles_the_gradients():
     loss.backward()
     for p, g in zip(layer.parameters(), first):
         torch.testing.assert_close(p.grad, 2 * g, **FP32)
+
+
+def test_expert_compute_is_the_deprecated_name_of_expert_layout():
+    with pytest.warns(DeprecationWarning, match="renamed expert_layout"):
+        layer = MoE(8, _mlp(), num_experts=4, k=1, expert_compute="padded")
+    assert layer.deepspeed_moe.expert_layout == "padded"
+    with pytest.raises(ValueError, match="expert_layout must be one of"):
+        MoE(8, _mlp(), num_experts=4, k=1, expert_compute="packd")

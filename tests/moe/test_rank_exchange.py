@@ -22,7 +22,7 @@ S, M, H, E = 24, 8, 16, 8
 CASES = {
     "top2-dropping": dict(k=2, capacity_factor=0.9, use_rts=False, top2_2nd_expert_sampling=False),
     "top4-groups-dropless": dict(k=4, dropless=True, scoring_func="sigmoid", n_group=4, topk_group=2),
-    "top3-groups-grouped": dict(k=3, dropless=True, n_group=2, topk_group=1, expert_compute="grouped"),
+    "top3-groups-grouped": dict(k=3, dropless=True, n_group=2, topk_group=1, expert_layout="grouped"),
     "expert-choice": dict(routing="expert_choice", capacity_factor=2.0),
 }
 
@@ -31,7 +31,7 @@ def _layer(ep_size, case, exchange):
     torch.manual_seed(0)
     kwargs = dict(CASES[case])
     if exchange == "per_choice":
-        kwargs.pop("expert_compute", None)
+        kwargs.pop("expert_layout", None)
     return MoE(M, nn.Sequential(nn.Linear(M, H), nn.GELU(), nn.Linear(H, M)), num_experts=E, ep_size=ep_size,
                min_capacity=0, expert_init="per_expert_seed", seed=3, exchange=exchange, **kwargs)
 
@@ -95,6 +95,6 @@ def test_world_4_per_rank_exchange_equals_the_reference():
 
 def test_per_rank_exchange_needs_a_layout_without_padding():
     with pytest.raises(ValueError, match="exchange='per_rank' sends variable rows per rank"):
-        MoE(M, nn.Linear(M, M), num_experts=4, exchange="per_rank", expert_compute="padded")
+        MoE(M, nn.Linear(M, M), num_experts=4, exchange="per_rank", expert_layout="padded")
     with pytest.raises(ValueError, match="exchange must be one of"):
         MoE(M, nn.Linear(M, M), num_experts=4, exchange="dedup")

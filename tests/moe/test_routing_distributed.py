@@ -73,7 +73,7 @@ def _layer(ep_size, layout, router, expert_bias=EXPERT_BIAS):
     if layout == "dropless":
         kwargs.update(dropless=True)
     else:
-        kwargs.update(expert_compute=layout)
+        kwargs.update(expert_layout=layout)
     torch.manual_seed(0)
     layer = MoE(M, _expert(), **kwargs)
     if layer.expert_bias is not None:

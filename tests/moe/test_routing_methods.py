@@ -341,7 +341,7 @@ def test_expert_choice_layer_every_layout_equals_the_reference():
     outputs = {}
     for compute in ("padded", "packed", "grouped"):
         torch.manual_seed(7)
-        layer = MoE(M, expert, num_experts=E, routing="expert_choice", capacity_factor=1.5, expert_compute=compute)
+        layer = MoE(M, expert, num_experts=E, routing="expert_choice", capacity_factor=1.5, expert_layout=compute)
         x = torch.randn(S, M)
         outputs[compute] = layer(x)[0]
     torch.manual_seed(7)
@@ -453,7 +453,7 @@ def test_methods_agree_across_layouts_and_dropless(method, k):
         torch.manual_seed(9)
         expert = nn.Sequential(nn.Linear(M, H), nn.GELU(), nn.Linear(H, M))
         layer = MoE(M, expert, num_experts=E, k=k, capacity_factor=4.0, min_capacity=0, use_rts=False,
-                    top2_2nd_expert_sampling=False, expert_compute=compute, dropless=dropless, **METHODS[method])
+                    top2_2nd_expert_sampling=False, expert_layout=compute, dropless=dropless, **METHODS[method])
         if layer.expert_bias is not None:
             layer.expert_bias.copy_(torch.linspace(-0.05, 0.05, E))
         x = torch.randn(3, 8, M, requires_grad=True)

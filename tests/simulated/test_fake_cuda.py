@@ -42,7 +42,7 @@ def _on_fake_cuda(build, dtype=torch.float32):
                                              ("padded", dict(k=1)), ("auto", dict(k=3))])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_moe_layer_forward_on_fake_cuda(compute, kwargs, dtype):
-    options = {"num_experts": 8, "k": 2, "min_capacity": 0, "expert_compute": compute, **kwargs}
+    options = {"num_experts": 8, "k": 2, "min_capacity": 0, "expert_layout": compute, **kwargs}
     layer, mode = _on_fake_cuda(lambda: MoE(32, nn.Sequential(nn.Linear(32, 64), nn.SiLU(), nn.Linear(64, 32)), **options),
                                 dtype)
     with mode, torch.no_grad():

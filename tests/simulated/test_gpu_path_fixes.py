@@ -122,7 +122,7 @@ def test_gloo_workaround_stays_off_elsewhere(monkeypatch):
 def _unequal_tokens(rank, world_size):
     reset_groups()
     layer = MoE(8, nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8)), num_experts=4, ep_size=2,
-                min_capacity=0, expert_compute="padded")
+                min_capacity=0, expert_layout="padded")
     with pytest.raises(ValueError, match="same number of tokens on every rank .* got between 6 and 7"):
         layer(torch.randn(6 + rank, 8))
     out, _, _ = layer(torch.randn(6, 8))  # equal counts still run

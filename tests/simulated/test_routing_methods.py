@@ -32,7 +32,7 @@ METHODS = {
 
 def _gpt_step(monkeypatch, world, ep, stage, method, compute, **extra):
     cfg = gpt.TrainConfig(n_layer=2, n_head=2, n_embd=32, ffn=64, seq_len=16, batch_size=2, num_experts=8, top_k=2,
-                          ep_world_size=ep, stage=stage, dtype="bf16", steps=10, expert_compute=compute,
+                          ep_world_size=ep, stage=stage, dtype="bf16", steps=10, expert_layout=compute,
                           **{**METHODS[method], **extra})
     rows = cfg.batch_size * cfg.seq_len * cfg.top_k
     with simulated_world(monkeypatch, world, world - 1, rows_per_rank=rows) as log:
@@ -86,7 +86,7 @@ def test_layer_makes_no_host_sync(cuda_branches, method, compute):
     kwargs = dict(METHODS[method])
     kwargs.setdefault("capacity_factor", 1.25)
     layer = MoE(16, nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16)), num_experts=8, k=2,
-                expert_compute=compute, min_capacity=0, **kwargs)
+                expert_layout=compute, min_capacity=0, **kwargs)
     x = torch.randn(3, 8, 16, requires_grad=True)
     with count_syncs() as counter:
         out, l_aux, _ = layer(x)

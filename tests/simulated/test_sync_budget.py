@@ -21,7 +21,7 @@ from tests.simulated.sync_counter import count_syncs
 def _layer(compute, ep_size=1, **kwargs):
     torch.manual_seed(0)
     expert = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16))
-    return MoE(16, expert, num_experts=4, ep_size=ep_size, k=2, expert_compute=compute, min_capacity=0, **kwargs)
+    return MoE(16, expert, num_experts=4, ep_size=ep_size, k=2, expert_layout=compute, min_capacity=0, **kwargs)
 
 
 def _count(layer, tokens=24, device="cpu"):
@@ -42,10 +42,10 @@ def cuda_branches(monkeypatch):
 def test_gate_and_padded_layout_make_no_sync(cuda_branches, k_kwargs):
     assert _count(_layer("padded", **k_kwargs)) == []
     top1 = MoE(16, nn.Sequential(nn.Linear(16, 8), nn.ReLU(), nn.Linear(8, 16)), num_experts=4, k=1,
-               expert_compute="padded", min_capacity=0, use_rts=True)
+               expert_layout="padded", min_capacity=0, use_rts=True)
     assert _count(top1) == []
     top3 = MoE(16, nn.Sequential(nn.Linear(16, 8), nn.ReLU(), nn.Linear(8, 16)), num_experts=4, k=3,
-               expert_compute="padded", min_capacity=0)
+               expert_layout="padded", min_capacity=0)
     assert _count(top3) == []
 
 

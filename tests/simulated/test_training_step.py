@@ -17,8 +17,8 @@ from recipes.cli import engine_config
 from recipes.gpt_model import GPT
 from tests.simulated.world import META, simulated_world
 
-LAYOUTS = {"padded": dict(expert_compute="padded"), "grouped": dict(expert_compute="grouped"),
-           "packed": dict(expert_compute="packed"), "dropless": dict(dropless=True, expert_compute="auto")}
+LAYOUTS = {"padded": dict(expert_layout="padded"), "grouped": dict(expert_layout="grouped"),
+           "packed": dict(expert_layout="packed"), "dropless": dict(dropless=True, expert_layout="auto")}
 
 
 def _gpt_engine(cfg):
