@@ -108,6 +108,9 @@ def parse_config(parser: argparse.ArgumentParser, config_class, argv: list[str] 
         return cfg, given
     if not folder:
         fail(parser, "--resume needs --checkpoint-dir")
+    if not earlier:
+        fail(parser, f"--resume: --checkpoint-dir {folder} holds no checkpoint (no file 'latest'); leave out --resume "
+                     "to start a run there, or pass --resume auto to start or continue")
     try:
         saved = read_client_state(cfg.checkpoint_dir)["recipe"]
         cfg = config_class(**{**saved, **{name: getattr(cfg, name) for name in given}, "resume": "yes"})

@@ -129,7 +129,7 @@ def _size(nbytes: float) -> str:
 
 def _table(cfg: EstimateConfig, result: dict) -> str:
     zero = result["zero"]
-    lines = [f"{'':<34}{'measured':>12}{'ZeRO formula':>15}"]
+    lines = [f"{'':<34}{'engine holds':>12}{'ZeRO formula':>15}"]  # the engine's tensors, by its accounting
     for key, label in (("parameters", "parameters"), ("gradients", "gradients"),
                        ("optimizer_states", "optimizer states (+ fp32 master)")):
         lines.append(f"{label:<34}{_size(result['model_states'][key])}   {_size(zero[key])}")
