@@ -37,7 +37,8 @@ def _tune_malloc() -> bool:
     """Keep glibc from returning freed chunks of up to 32 MiB to the OS between steps.
 
     The experts' products allocate their outputs inside torch ops, where the pool cannot serve them;
-    glibc would otherwise trim those chunks and fault them in again every step. This keeps freed memory in the process for reuse, as jemalloc or tcmalloc would.
+    glibc would otherwise trim those chunks and fault them in again every step. This keeps freed memory
+    in the process for reuse, as jemalloc or tcmalloc would.
     """
     name = ctypes.util.find_library("c")
     if not name:

@@ -141,7 +141,9 @@ class MoE(nn.Module):
         eval_capacity_factor: capacity factor in eval mode.
         min_capacity: the least number of slots per expert.
         use_residual: Residual MoE: out = moe_out * c0 + mlp_out * c1 with c = softmax(Linear(M, 2)(x)).
-        noisy_gate_policy: None, "Jitter" or "RSample"; noise is applied in training only.
+        noisy_gate_policy: None, "Jitter" or "RSample"; noise is applied in training only. DeepSpeed's MoE
+            also takes the string "None" (what a script's `--noisy-gate-policy None` flag gives): so does
+            this constructor, as None; the gate itself takes None only.
         drop_tokens: drop choices beyond capacity; False makes capacity the largest expert count.
         use_rts: random token selection over capacity (top-1, training only).
         use_tutel: accepted for compatibility; dispatch here is always index based.
@@ -193,6 +195,11 @@ class MoE(nn.Module):
         expert_compute: str | None = None,
     ):
         super().__init__()
+        if noisy_gate_policy == "None":  # DeepSpeed's MoE takes the string too
+            noisy_gate_policy = None
+        if expert_compute is not None and expert_layout not in ("auto", expert_compute):
+            raise ValueError(f"expert_compute is the earlier name of expert_layout; pass one, got expert_layout="
+                             f"{expert_layout!r} and expert_compute={expert_compute!r}")
         if expert_compute is not None:  # the earlier name of expert_layout
             warnings.warn("MoE(expert_compute=...) is renamed expert_layout; expert_compute will be removed",
                           DeprecationWarning, stacklevel=2)

@@ -16,8 +16,8 @@ expert-data-parallel group; either way the sum is divided by the data-parallel w
 expert's gradient must be the average over every token of the global batch (the one-process run).
 A unit's `weights` are this rank's piece of the weights the optimizer updates: a separate master copy
 (fp32 when the model computes in fp16/bf16, or in host memory when offloaded), otherwise a view of the
-model's own storage. Both kinds of unit implement the `Unit` protocol, which is all the engine and
-checkpoints use.
+model's own storage. Both kinds of unit implement the `Unit` protocol, through which the engine's step
+and checkpoints reach them (the engine's gradient buckets reach into flat groups only).
 """
 
 import math
@@ -103,6 +103,7 @@ class Unit(Protocol):
     Attributes:
         infos: the parameters held, in order.
         expert: whether they are expert parameters.
+        group_rank: this rank's position in the group the unit is sharded or reduced over.
         weights: this rank's piece of the weights the optimizer updates: a separate master copy or a
             view of the model's own storage.
         proxy: the parameter the optimizer steps on: `weights` itself, or, with `steps_on_copy`, an
@@ -117,6 +118,7 @@ class Unit(Protocol):
 
     infos: list[ParamInfo]
     expert: bool
+    group_rank: int
     weights: torch.Tensor
     proxy: nn.Parameter
     steps_on_copy: bool

@@ -112,11 +112,23 @@ def parse_config(parser: argparse.ArgumentParser, config_class, argv: list[str] 
         fail(parser, f"--resume: --checkpoint-dir {folder} holds no checkpoint (no file 'latest'); leave out --resume "
                      "to start a run there, or pass --resume auto to start or continue")
     try:
-        saved = read_client_state(cfg.checkpoint_dir)["recipe"]
+        saved = saved_recipe(read_client_state(cfg.checkpoint_dir))
         cfg = config_class(**{**saved, **{name: getattr(cfg, name) for name in given}, "resume": "yes"})
     except (OSError, RuntimeError, KeyError, TypeError) as error:
         fail(parser, f"cannot resume from --checkpoint-dir {cfg.checkpoint_dir}: {error}")
     return cfg, given
+
+
+RENAMED = {"expert_compute": "expert_layout"}  # config fields saved by earlier versions, by their names now
+
+
+def saved_recipe(client_state: dict) -> dict:
+    """The recipe config a checkpoint saved (client state "recipe"), with fields renamed since under their new names."""
+    saved = dict(client_state["recipe"])
+    for old, new in RENAMED.items():
+        if old in saved:
+            saved.setdefault(new, saved.pop(old))
+    return saved
 
 
 def _latest(folder: str) -> str:

@@ -32,7 +32,7 @@ from moe import split_params_into_different_moe_groups_for_optimizer
 from optim import initialize, read_client_state
 from recipes import runner
 from recipes.cli import (engine_config, fail, flag_parser, keep_last_field, noisy_gate_policy,
-                         noisy_gate_policy_field, resume_field, start_over_field)
+                         noisy_gate_policy_field, resume_field, saved_recipe, start_over_field)
 from recipes.gpt_model import GPT, GPTConfig
 from recipes.training import Progress, SetupError, all_sum, prune_checkpoints
 
@@ -355,7 +355,7 @@ def saved_config(parser, folder: str) -> TrainConfig:
             what = "holds no checkpoint (no `latest` file)"
         fail(parser, f"--checkpoint-dir {folder} {what}: pass {run}")
     try:
-        return TrainConfig(**read_client_state(folder)["recipe"])
+        return TrainConfig(**saved_recipe(read_client_state(folder)))
     except (OSError, RuntimeError, KeyError, TypeError) as error:
         detail = str(error).split("; pass tag=")[0]  # the engine's hint names its Python API, not a flag of sample
         fail(parser, f"cannot read a recipes.gpt checkpoint from --checkpoint-dir {folder}: {detail}")

@@ -384,3 +384,10 @@ def test_expert_compute_is_the_deprecated_name_of_expert_layout():
     assert layer.deepspeed_moe.expert_layout == "padded"
     with pytest.raises(ValueError, match="expert_layout must be one of"):
         MoE(8, _mlp(), num_experts=4, k=1, expert_compute="packd")
+
+
+def test_the_layer_takes_deepspeeds_string_none_for_no_noise_and_one_name_of_the_layout():
+    layer = MoE(8, _mlp(), num_experts=4, k=1, noisy_gate_policy="None")  # DeepSpeed's MoE takes it
+    assert layer.deepspeed_moe.gate.config.noisy_gate_policy is None
+    with pytest.raises(ValueError, match="expert_compute is the earlier name of expert_layout; pass one"):
+        MoE(8, _mlp(), num_experts=4, k=1, expert_layout="padded", expert_compute="packed")

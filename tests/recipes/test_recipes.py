@@ -16,6 +16,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from kernels import gemm
 from moe import TopKGate
 from recipes import bench_gpt, cifar, compare_dense_moe, gpt, runner
+from recipes.cli import saved_recipe
 from recipes.gpt_model import GPT
 
 CIFAR_JSON = pathlib.Path(cifar.__file__).parent / "configs" / "cifar.json"
@@ -464,3 +465,13 @@ def test_a_run_that_loses_a_rank_resumes_as_if_never_interrupted(tmp_path):
     assert resumed.keys() == reference.keys()
     for name, value in reference.items():
         torch.testing.assert_close(resumed[name], value, rtol=RTOL, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+def test_a_checkpoint_config_saved_under_an_earlier_field_name_still_resumes():
+    old = {"recipe": {"expert_compute": "packed", "steps": 7}}
+    assert saved_recipe(old) == {"expert_layout": "packed", "steps": 7}
+    assert old["recipe"] == {"expert_compute": "packed", "steps": 7}  # the client state itself is left alone
+    earlier = dataclasses.asdict(gpt.TrainConfig())  # a whole config as an earlier version saved it
+    earlier["expert_compute"] = earlier.pop("expert_layout")
+    earlier["expert_compute"] = "padded"
+    assert gpt.TrainConfig(**saved_recipe({"recipe": earlier})).expert_layout == "padded"
