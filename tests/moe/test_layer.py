@@ -391,3 +391,13 @@ def test_the_layer_takes_deepspeeds_string_none_for_no_noise_and_one_name_of_the
     assert layer.deepspeed_moe.gate.config.noisy_gate_policy is None
     with pytest.raises(ValueError, match="expert_compute is the earlier name of expert_layout; pass one"):
         MoE(8, _mlp(), num_experts=4, k=1, expert_layout="padded", expert_compute="packed")
+
+
+def test_a_group_already_flagged_moe_and_named_keeps_its_name():
+    layer = MoE(8, _mlp(), num_experts=4, k=1)
+    experts = list(layer.deepspeed_moe.experts.parameters())
+    groups = split_params_into_different_moe_groups_for_optimizer(
+        [{"params": [layer.deepspeed_moe.gate.wg.weight], "name": "dense"},
+         {"params": experts, "name": "my_experts", "moe": True, "lr": 0.5}], max_group_size=None)
+    moe_groups = [g for g in groups if g["params"] and g.get("moe")]
+    assert [(g["name"], g["lr"], len(g["params"])) for g in moe_groups] == [("my_experts", 0.5, len(experts))]
