@@ -24,7 +24,7 @@ from torch import nn
 
 from moe.autocast import autocast_dtype
 from moe.grouped_mlp import _ACTIVATION_FUNCTIONS, grouped_mlp
-from parallel import tag_expert_ids, tag_expert_parameters
+from parallel import tag_expert_ids, tag_expert_parameters, tag_template_copy
 
 __all__ = ["Experts"]
 
@@ -112,6 +112,9 @@ class Experts(nn.Module):
             self.deepspeed_experts = nn.ModuleList(copies)
         self._tags = (expert_group_name, seed[1] if seed is not None else first_expert, use_data_before_expert_parallel)
         self._tag()
+        if seed is None:  # expert_init="copy": initialize starts every rank's copies from rank 0's template
+            for param in self.parameters():
+                tag_template_copy(param)
         self._register_load_state_dict_pre_hook(self._convert_state_dict)
 
     def __setstate__(self, state):

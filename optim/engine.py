@@ -31,7 +31,7 @@ from optim.monitor import Monitor, StepStats
 from optim.scaler import LossScaler, LossScalerConfig
 from optim.schedulers import build_scheduler
 from optim.zero import FlatGroup, ShardedParam, describe_parameters, shard_placement
-from parallel import data_before_expert, groups_for_name, local_device, split_group
+from parallel import data_before_expert, groups_for_name, is_template_copy, local_device, split_group
 
 __all__ = ["Engine", "initialize"]
 
@@ -196,16 +196,24 @@ class Engine:
                           stacklevel=3)
 
     def _broadcast_initial_state(self) -> None:
-        """Start every replica from the same values: dense from rank 0, experts from their edp rank 0."""
+        """Start every replica from the same values: dense parameters and buffers from rank 0; experts from
+        their edp rank 0, or, for untouched copies of a layer's expert template (expert_init="copy"), from
+        rank 0, so the model starts as it would at any other layout (one collective decides which)."""
         if self.world_size == 1:
             return
+        params = list(self.module.parameters())
+        experts = [p for p in params if hasattr(p, "allreduce") and not p.allreduce]
+        copies = torch.tensor([is_template_copy(p) for p in experts], dtype=torch.int32, device=self.device)
+        if experts:  # a copy on every rank, or on none (a rank that loaded its experts keeps them)
+            dist.all_reduce(copies, op=dist.ReduceOp.MIN)
+        from_template = {id(p) for p, copy in zip(experts, copies.tolist()) if copy}
         with torch.no_grad():
-            for param in self.module.parameters():
-                if hasattr(param, "allreduce") and not param.allreduce:
+            for param in params:
+                if id(param) in from_template or not (hasattr(param, "allreduce") and not param.allreduce):
+                    dist.broadcast(param.data, src=0)
+                else:
                     groups = groups_for_name(param.group_name, data_before_expert(param))
                     dist.broadcast(param.data, src=dist.get_global_rank(groups.edp_group, 0), group=groups.edp_group)
-                else:
-                    dist.broadcast(param.data, src=0)
             for buffer in self.module.buffers():
                 dist.broadcast(buffer.data, src=0)
 

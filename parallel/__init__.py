@@ -6,9 +6,11 @@ from parallel.groups import (
     ExpertGroups, data_meshes, expert_groups, expert_layout, expert_mesh, groups_for_name, reset_groups,
 )
 from parallel.param_groups import split_group, split_params_into_different_moe_groups_for_optimizer
-from parallel.tags import data_before_expert, expert_ids, is_moe_param, tag_expert_ids, tag_expert_parameters
+from parallel.tags import (
+    data_before_expert, expert_ids, is_moe_param, is_template_copy, tag_expert_ids, tag_expert_parameters, tag_template_copy,
+)
 
 __all__ = [
     "ExpertGroups", "all_to_all", "data_before_expert", "data_meshes", "expert_ids", "exchange_counts", "expert_groups", "expert_layout", "expert_mesh", "groups_for_name",
-    "init_distributed", "is_moe_param", "local_device", "reset_groups", "split_group", "split_params_into_different_moe_groups_for_optimizer", "tag_expert_ids", "tag_expert_parameters",
+    "init_distributed", "is_moe_param", "is_template_copy", "local_device", "reset_groups", "split_group", "split_params_into_different_moe_groups_for_optimizer", "tag_expert_ids", "tag_expert_parameters", "tag_template_copy",
 ]

@@ -7,13 +7,17 @@ by global id whatever the expert-parallel layout, a third attribute says which g
 parameter holds: `param.expert_ids = (ids, axis, local_suffix, global_suffix)`, where axis is the
 dimension that stacks several experts (None for a parameter of one expert), and the two suffixes
 rename the parameter from this layout's module path to the one-process path (None when equal).
+A fourth, `param.template_copy`, marks an expert parameter built as a copy of the layer's expert
+template (expert_init="copy") with the version counter it had then: while nothing has written into
+it, `initialize` may start every rank's experts from rank 0's template, whatever the layout.
 """
 
 from collections.abc import Iterable
 
 import torch
 
-__all__ = ["data_before_expert", "tag_expert_parameters", "is_moe_param", "tag_expert_ids", "expert_ids"]
+__all__ = ["data_before_expert", "expert_ids", "is_moe_param", "is_template_copy", "tag_expert_ids", "tag_expert_parameters",
+           "tag_template_copy"]
 
 
 def tag_expert_parameters(params: Iterable[torch.nn.Parameter], group_name: str,
@@ -58,3 +62,14 @@ def tag_expert_ids(param: torch.nn.Parameter, ids: tuple[int, ...], axis: int | 
 def expert_ids(param: torch.Tensor):
     """(ids, axis, local_suffix, global_suffix) for a tagged expert parameter, else None."""
     return getattr(param, "expert_ids", None)
+
+
+def tag_template_copy(param: torch.nn.Parameter) -> None:
+    """Mark an expert parameter as a copy of the expert template, as it is now (its version counter)."""
+    param.template_copy = param._version
+
+
+def is_template_copy(param: torch.Tensor) -> bool:
+    """True for a template copy nothing has written into since it was tagged (load_state_dict, an
+    in-place update or an optimizer step all count as writes)."""
+    return getattr(param, "template_copy", None) == param._version

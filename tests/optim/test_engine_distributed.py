@@ -8,13 +8,17 @@ reduced during the backward synchronously and overlapped, and stages 0/1 with al
 within bf16 tolerance of the fp32 run, and `memory_breakdown` follows the ZeRO accounting.
 """
 
+import copy
+
 import pytest
 import torch
+from torch import nn
 
+from moe import MoE
 from optim import initialize
 from parallel import reset_groups
 from tests.distributed import run_distributed
-from tests.optim.models import Net, config, engine_steps, reference_steps
+from tests.optim.models import CLASSES, E, H, M, Net, config, engine_steps, reference_steps
 
 FP32 = {"rtol": 1e-5, "atol": 1e-6}
 # bf16 holds about 3 significant digits: parameters near 0.5 are stored to within 2e-3.
@@ -94,6 +98,65 @@ def _check_one_rank_per_expert(rank, world):
 
 def test_one_rank_per_expert_group_matches_one_process():
     run_distributed(_check_one_rank_per_expert, WORLD, timeout_s=300)
+
+
+class _CopyInitNet(nn.Module):
+    """Net's shape with expert_init="copy" (every expert a copy of the template) and no seed of its own."""
+
+    def __init__(self, ep_size):
+        super().__init__()
+        self.inp = nn.Linear(M, M)
+        self.moe = MoE(M, nn.Sequential(nn.Linear(M, H), nn.GELU(), nn.Linear(H, M)), num_experts=E, ep_size=ep_size,
+                       k=2, capacity_factor=1.0, min_capacity=0, use_rts=False, top2_2nd_expert_sampling=False)
+        self.out = nn.Linear(M, CLASSES)
+
+    def forward(self, x):
+        h, l_aux, _ = self.moe(torch.relu(self.inp(x)))
+        return self.out(h), l_aux
+
+
+def _check_unseeded_copy_init(rank, world):
+    """Each rank builds its model from its own RNG state, as an unseeded script does: at ep 1, 2 and 4 the
+    engine starts from rank 0's model (every expert a copy of rank 0's template) and takes the same step as
+    one process running rank 0's model."""
+    if rank == 0:
+        torch.manual_seed(1000)
+        reference = _CopyInitNet(1)
+        start = copy.deepcopy(reference.state_dict())
+        optimizer = torch.optim.SGD(reference.parameters(), lr=SGD_SMALL["params"]["lr"], momentum=0.9)
+        reference_steps(reference, optimizer, 1, WORLD, ACCUMULATION, 0)
+        after = reference.state_dict()
+    for ep_size in (1, 2, 4):
+        reset_groups()
+        torch.manual_seed(1000 + rank)  # a different template on every rank
+        engine, *_ = initialize(_CopyInitNet(ep_size), config=config(1, ACCUMULATION, 0, optimizer=SGD_SMALL))
+        begun = engine.consolidated_state_dict()
+        engine_steps(engine, 1, rank, ACCUMULATION)
+        stepped = engine.consolidated_state_dict()
+        if rank == 0:
+            for name, value in start.items():
+                torch.testing.assert_close(begun[name], value, rtol=0, atol=0, msg=lambda m: f"ep {ep_size} start {name}: {m}")
+                torch.testing.assert_close(stepped[name], after[name], **FP32, msg=lambda m: f"ep {ep_size} step {name}: {m}")
+
+
+def test_unseeded_copy_init_starts_and_steps_as_one_process_at_every_ep_size():
+    run_distributed(_check_unseeded_copy_init, WORLD, timeout_s=300)
+
+
+def _check_loaded_experts_are_kept(rank, world):
+    """Experts written into before initialize (a loaded state dict) are not replaced by rank 0's template."""
+    reset_groups()
+    torch.manual_seed(1000 + rank)
+    model = _CopyInitNet(2)
+    experts = model.moe.deepspeed_moe.experts
+    with torch.no_grad():
+        experts.weight1.copy_(torch.full_like(experts.weight1, float(rank + 1)))
+    initialize(model, config=config(1, ACCUMULATION, 0, optimizer=SGD_SMALL))
+    assert bool((experts.weight1 == rank + 1).all()), "this rank's loaded experts were overwritten"
+
+
+def test_experts_loaded_before_initialize_are_kept():
+    run_distributed(_check_loaded_experts_are_kept, 2, timeout_s=120)
 
 
 def _check_bf16(rank, world, stage):
