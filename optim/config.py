@@ -6,6 +6,7 @@ that change nothing here (bucket sizes, overlap switches, ...) are accepted and 
 warning. After parsing, no code looks anything up in a dict.
 """
 
+import argparse
 import dataclasses
 import json
 import os
@@ -14,7 +15,7 @@ import typing
 import warnings
 from dataclasses import dataclass, field
 
-__all__ = ["EngineConfig", "parse_config"]
+__all__ = ["EngineConfig", "add_config_arguments", "parse_config"]
 
 
 @dataclass(kw_only=True)
@@ -324,3 +325,25 @@ def parse_config(config: dict | str | os.PathLike, world_size: int) -> EngineCon
     if ignored:
         warnings.warn(f"config keys accepted for compatibility, without effect here: {', '.join(ignored)}", stacklevel=3)
     return parsed
+
+
+def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add DeepSpeed's command-line flags for the config: `--deepspeed_config PATH` and friends.
+
+    `initialize(args=parser.parse_args(), model=...)` then reads the config from `args.deepspeed_config`.
+    `--deepspeed` is a flag for the script's own use (the engine ignores it); `--deepscale` and
+    `--deepscale_config` are DeepSpeed's older spellings of the two.
+
+    Args:
+        parser: the script's parser; a "DeepSpeed" argument group is added to it.
+
+    Returns:
+        The same parser.
+    """
+    group = parser.add_argument_group("DeepSpeed", "DeepSpeed configurations")
+    group.add_argument("--deepspeed", default=False, action="store_true",
+                       help="enable DeepSpeed-style training (a flag for the script; the engine ignores it)")
+    group.add_argument("--deepspeed_config", default=None, type=str, help="the JSON config file")
+    group.add_argument("--deepscale", default=False, action="store_true", help="deprecated spelling of --deepspeed")
+    group.add_argument("--deepscale_config", default=None, type=str, help="deprecated spelling of --deepspeed_config")
+    return parser
