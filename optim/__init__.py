@@ -4,10 +4,11 @@
 """
 
 from optim.checkpoint import read_client_state
-from optim.config import EngineConfig, parse_config
+from optim.config import EngineConfig, add_config_arguments, parse_config
 from optim.engine import Engine, initialize
 from optim.monitor import Monitor
 from optim.scaler import LossScaler, LossScalerConfig
 
-__all__ = ["Engine", "EngineConfig", "LossScaler", "LossScalerConfig", "Monitor", "initialize", "parse_config",
+__all__ = ["Engine", "EngineConfig", "LossScaler", "LossScalerConfig", "Monitor", "add_config_arguments", "initialize",
+           "parse_config",
            "read_client_state"]

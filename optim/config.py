@@ -3,9 +3,11 @@
 `parse_config(dict or JSON path, world_size)` checks every key and type at the edge: an unknown key
 or a wrong type raises with the key's full path (`zero_optimization.stage`). Keys DeepSpeed knows
 that change nothing here (bucket sizes, overlap switches, ...) are accepted and listed once in a
-warning. After parsing, no code looks anything up in a dict.
+warning; DeepSpeed's deprecated spellings it still reads (`zero_optimization.cpu_offload`, ...) are read
+as their current keys and listed once in a DeprecationWarning. After parsing, no code looks anything up in a dict.
 """
 
+import argparse
 import dataclasses
 import json
 import os
@@ -14,7 +16,7 @@ import typing
 import warnings
 from dataclasses import dataclass, field
 
-__all__ = ["EngineConfig", "parse_config"]
+__all__ = ["EngineConfig", "add_config_arguments", "parse_config"]
 
 
 @dataclass(kw_only=True)
@@ -227,6 +229,43 @@ _WITHOUT_EFFECT = {
 }
 
 
+# DeepSpeed's deprecated zero_optimization spellings it still reads: old key -> (current key, its value).
+# cpu_offload_use_pin_memory sets nothing in DeepSpeed either; it is accepted and reported.
+_DEPRECATED_ZERO = {
+    "cpu_offload": ("offload_optimizer", lambda on: {"device": "cpu" if on else "none"}),
+    "cpu_offload_param": ("offload_param", lambda on: {"device": "cpu" if on else "none"}),
+    "stage3_gather_fp16_weights_on_model_save": ("stage3_gather_16bit_weights_on_model_save", lambda on: on),
+    "cpu_offload_use_pin_memory": (None, None),
+}
+
+
+def _agree(old: str, new_value, value) -> bool:
+    """Whether the current key's value says what the deprecated key's translation says."""
+    if old in ("cpu_offload", "cpu_offload_param"):
+        return isinstance(value, dict) and value.get("device", "none") == new_value["device"]
+    return value == new_value
+
+
+def _translate_deprecated(data: dict, notes: list[str]) -> dict:
+    """zero_optimization with its deprecated keys replaced by their current ones; a disagreement raises."""
+    data = dict(data)
+    for old, (new, translate) in _DEPRECATED_ZERO.items():
+        if old not in data:
+            continue
+        value = _convert(bool, data.pop(old), f"zero_optimization.{old}", [])
+        if new is None:
+            notes.append(f"zero_optimization.{old} (without effect, as in DeepSpeed; offload_optimizer.pin_memory "
+                         "and offload_param.pin_memory are its current keys)")
+            continue
+        new_value = translate(value)
+        if new in data and not _agree(old, new_value, data[new]):
+            raise ValueError(f"zero_optimization.{old} ({str(value).lower()}) and zero_optimization.{new} "
+                             f"({json.dumps(data[new])}) disagree; keep only {new}, the current key")
+        data.setdefault(new, new_value)
+        notes.append(f"zero_optimization.{old} -> zero_optimization.{new}")
+    return data
+
+
 def _check_range(path: str, value, low) -> None:
     if value < low:
         raise ValueError(f"{path} must be >= {low}, got {value}")
@@ -312,15 +351,44 @@ def parse_config(config: dict | str | os.PathLike, world_size: int) -> EngineCon
         the parsed config, batch sizes filled in.
 
     Raises:
-        ValueError: an unknown key, a bad value or inconsistent batch sizes, naming the key.
+        ValueError: an unknown key, a bad value or inconsistent batch sizes, naming the key; a deprecated
+            key (DeepSpeed's `zero_optimization.cpu_offload`, ...) that disagrees with its current one.
         TypeError: a value of the wrong type, naming the key.
     """
     if isinstance(config, (str, os.PathLike)):
         with open(config) as handle:
             config = json.load(handle)
     ignored: list[str] = []
+    deprecated: list[str] = []
+    if isinstance(config, dict) and isinstance(config.get("zero_optimization"), dict):
+        config = {**config, "zero_optimization": _translate_deprecated(config["zero_optimization"], deprecated)}
     parsed = _parse(EngineConfig, config, "", ignored)
     _resolve_batch(parsed, world_size)
+    if deprecated:
+        warnings.warn(f"deprecated config keys, read as their current ones: {'; '.join(deprecated)}",
+                      DeprecationWarning, stacklevel=3)
     if ignored:
         warnings.warn(f"config keys accepted for compatibility, without effect here: {', '.join(ignored)}", stacklevel=3)
     return parsed
+
+
+def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add DeepSpeed's command-line flags for the config: `--deepspeed_config PATH` and friends.
+
+    `initialize(args=parser.parse_args(), model=...)` then reads the config from `args.deepspeed_config`.
+    `--deepspeed` is a flag for the script's own use (the engine ignores it); `--deepscale` and
+    `--deepscale_config` are DeepSpeed's older spellings of the two.
+
+    Args:
+        parser: the script's parser; a "DeepSpeed" argument group is added to it.
+
+    Returns:
+        The same parser.
+    """
+    group = parser.add_argument_group("DeepSpeed", "DeepSpeed configurations")
+    group.add_argument("--deepspeed", default=False, action="store_true",
+                       help="enable DeepSpeed-style training (a flag for the script; the engine ignores it)")
+    group.add_argument("--deepspeed_config", default=None, type=str, help="the JSON config file")
+    group.add_argument("--deepscale", default=False, action="store_true", help="deprecated spelling of --deepspeed")
+    group.add_argument("--deepscale_config", default=None, type=str, help="deprecated spelling of --deepspeed_config")
+    return parser

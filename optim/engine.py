@@ -139,6 +139,7 @@ class Engine:
         self.device = local_device()
         self.module = model.to(self.device)
         self.global_steps = self.micro_steps = self.skipped_steps = 0
+        self._grad_norm = None  # the last step's global gradient norm before clipping, on the device
         self._in_engine_backward = False
         self._skipped_last = False
         self.last_checkpoint: str | None = None  # the folder of the last checkpoint saved or loaded
@@ -321,6 +322,46 @@ class Engine:
             self._stats.add_loss(loss)
         self._timers["backward"] += time.perf_counter() - start
 
+    # DeepSpeed's engine queries, so its scripts run unchanged.
+
+    @property
+    def local_rank(self) -> int:
+        """This process's rank on its node: LOCAL_RANK as an int, 0 without it."""
+        return int(os.environ.get("LOCAL_RANK", 0))
+
+    @property
+    def global_rank(self) -> int:
+        """This process's rank in the whole world (`rank`)."""
+        return self.rank
+
+    def fp16_enabled(self) -> bool:
+        return self.config.fp16.enabled
+
+    def bfloat16_enabled(self) -> bool:
+        return self.config.bf16.enabled
+
+    def train_batch_size(self) -> int:
+        """Samples per optimizer step over all ranks (the config's, resolved)."""
+        return self.config.train_batch_size
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self.config.train_micro_batch_size_per_gpu
+
+    def gradient_accumulation_steps(self) -> int:
+        return self.accumulation
+
+    def get_global_grad_norm(self) -> float | None:
+        """The last optimizer step's L2 norm of all gradients over all ranks, before clipping and unscaled.
+
+        The norm is the one gradient clipping computes on the device; this reads it (a host sync when
+        called, none in the step). Without gradient clipping the step computes no norm (it would cost a
+        collective every step), so the answer is None, as DeepSpeed's is where its norm computation is off.
+
+        Returns:
+            The norm as a float; None before the first step, after a skipped step, or without clipping.
+        """
+        return None if self._grad_norm is None else float(self._grad_norm.item())
+
     def is_gradient_accumulation_boundary(self) -> bool:
         return (self.micro_steps + 1) % self.accumulation == 0
 
@@ -340,6 +381,7 @@ class Engine:
         self._timers["step"] += time.perf_counter() - start
 
     def _optimizer_step(self) -> None:
+        self._grad_norm = None
         for unit in self.units:
             unit.refresh(self.module)
             unit.reduce()
@@ -360,7 +402,8 @@ class Engine:
             return
         proxies = self._prepare_proxies(grads)
         if self.config.gradient_clipping > 0:  # on the device: min(1, clip / norm) scales every gradient, no host read
-            coefficient = (self.config.gradient_clipping / (self._global_norm() + 1e-6)).clamp(max=1.0)
+            self._grad_norm = self._global_norm()
+            coefficient = (self.config.gradient_clipping / (self._grad_norm + 1e-6)).clamp(max=1.0)
             for proxy in proxies:
                 proxy.grad.mul_(coefficient.to(proxy.grad.device, proxy.grad.dtype))
         self.optimizer.step()
@@ -533,6 +576,30 @@ class Engine:
         self._settle()
         return checkpoint.consolidated_state_dict(self)
 
+    def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin") -> bool:
+        """Write the full model state_dict in the compute dtype (fp16, bf16 or fp32) to save_dir/save_filename.
+
+        Every rank calls it (collective); rank 0 writes, atomically (a temporary name, then a rename),
+        and every rank returns once the file is there. Stage 3 needs no extra config key: the state is
+        always gathered (DeepSpeed wants stage3_gather_16bit_weights_on_model_save and returns False
+        without it).
+
+        Returns:
+            True.
+        """
+        state = self.consolidated_state_dict()
+        if state is not None:
+            state = {name: value.to(self.compute_dtype) if value.is_floating_point() else value
+                     for name, value in state.items()}
+            os.makedirs(save_dir, exist_ok=True)
+            path = os.path.join(save_dir, save_filename)
+            temporary = f"{path}.tmp{os.getpid()}"
+            torch.save(state, temporary)
+            os.replace(temporary, path)
+        if self.world_size > 1:
+            dist.barrier()
+        return True
+
     def _settle(self) -> None:
         """Before collectives outside a training step: parameters sharded, units on the live storage."""
         if self._fully_shard:
@@ -546,9 +613,14 @@ def read_flag(flag: torch.Tensor) -> bool:
     return bool(flag.item())
 
 
-def initialize(model: nn.Module, model_parameters=None, config=None, training_data=None, optimizer=None,
-               lr_scheduler=None, config_params=None, **_ignored):
+def initialize(model: nn.Module = None, model_parameters=None, config=None, training_data=None, optimizer=None,
+               lr_scheduler=None, config_params=None, args=None, **_ignored):
     """Wrap a model for training (DeepSpeed's `deepspeed.initialize`).
+
+    DeepSpeed's other keywords (`mpu`, `dist_init_required`, `collate_fn`, `distributed_port`, ...)
+    are accepted and ignored. Call it with keywords, as DeepSpeed scripts do: `initialize(args=args,
+    model=model, model_parameters=params)`; `model` is the first positional argument here, where
+    DeepSpeed's first is `args`.
 
     Args:
         model: the model; MoE layers' expert parameters carry `allreduce=False` and `group_name`.
@@ -559,17 +631,21 @@ def initialize(model: nn.Module, model_parameters=None, config=None, training_da
         optimizer: a torch optimizer (rebuilt over the engine's shards with the same settings) or a
             callable taking param groups; else the config's `optimizer`.
         lr_scheduler: a schedule or a callable taking the optimizer; else the config's `scheduler`.
+        config_params: DeepSpeed's older name of `config`, used when `config` is None.
+        args: parsed command-line arguments (see `add_config_arguments`); their `deepspeed_config`
+            (or the deprecated `deepscale_config`) is the config's path when `config` and
+            `config_params` are None.
 
     Returns:
         (engine, optimizer, dataloader or None, lr_scheduler or None).
 
     Raises:
-        ValueError, TypeError: a bad config key or value, naming the key, before any training.
+        ValueError, TypeError: a bad config key or value, naming the key, before any training; no
+            config or two of them (`config` and `args.deepspeed_config`, or both command-line spellings).
     """
-    if config is None:
-        config = config_params
-    if config is None:
-        raise ValueError("initialize needs config: a dict or the path of a JSON file")
+    if model is None:
+        raise TypeError("initialize needs model, an nn.Module, got None")
+    config = _config_source(config if config is not None else config_params, args)
     world_size, rank = _distributed()
     parsed = parse_config(config, world_size)
     engine = Engine(model, parsed, model_parameters, optimizer, lr_scheduler)
@@ -579,3 +655,22 @@ def initialize(model: nn.Module, model_parameters=None, config=None, training_da
         loader = torch.utils.data.DataLoader(training_data, batch_size=parsed.train_micro_batch_size_per_gpu,
                                              sampler=sampler, shuffle=sampler is None)
     return engine, engine.optimizer, loader, engine.lr_scheduler
+
+
+def _config_source(config, args):
+    """The config from the call or from `args.deepspeed_config` / `args.deepscale_config`, as DeepSpeed takes it."""
+    from_args = getattr(args, "deepspeed_config", None)
+    deepscale = getattr(args, "deepscale_config", None)
+    if deepscale is not None:
+        if from_args is not None:
+            raise ValueError(f"args.deepscale_config ({deepscale!r}) and args.deepspeed_config ({from_args!r}) "
+                             "are both set; pass one, --deepspeed_config")
+        warnings.warn("--deepscale_config is deprecated; use --deepspeed_config", DeprecationWarning, stacklevel=3)
+        from_args = deepscale
+    if from_args is not None and config is not None:
+        raise ValueError(f"initialize got config and args.deepspeed_config ({from_args!r}); pass one of them")
+    config = config if config is not None else from_args
+    if config is None:
+        raise ValueError("initialize needs a config: pass config= (a dict or JSON path), config_params=, or "
+                         "args= with --deepspeed_config PATH parsed (see optim.add_config_arguments)")
+    return config
