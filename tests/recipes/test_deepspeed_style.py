@@ -1,0 +1,58 @@
+"""A script in DeepSpeed's style (tests/recipes/deepspeed_style.py) runs with imports renamed only, in one
+process and under torchrun with expert parallelism, and the names it uses answer as DeepSpeed's do."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+CONFIG = {
+    "train_batch_size": 32, "gradient_accumulation_steps": 2, "steps_per_print": 1000,
+    "optimizer": {"type": "Adam", "params": {"lr": 0.01, "betas": [0.8, 0.999], "eps": 1e-8, "weight_decay": 3e-7}},
+    "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 0.01, "warmup_num_steps": 4}},
+    "gradient_clipping": 1.0, "prescale_gradients": False,
+    "zero_optimization": {"stage": 2, "allgather_partitions": True, "reduce_scatter": True, "overlap_comm": True,
+                          "contiguous_gradients": True, "cpu_offload": False},
+}
+
+
+STEPS = 16
+
+
+def _run(tmp_path, world: int, ep: int) -> list[dict]:
+    config = tmp_path / "ds_config.json"
+    config.write_text(json.dumps(CONFIG))
+    script = ["-m", "tests.recipes.deepspeed_style", "--deepspeed", "--deepspeed_config", str(config),
+              "--ep-world-size", str(ep), "--num-experts", "2", "--top-k", "1", "--noisy-gate-policy", "RSample",
+              "--steps", str(STEPS), "--out", str(tmp_path / "out")]
+    launch = [sys.executable] if world == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                                 "--nproc_per_node", str(world)]
+    done = subprocess.run(launch + script, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    reports = [json.loads(path.read_text()) for path in (tmp_path / "out").glob("report_rank*.json")]
+    assert "zero_optimization.cpu_offload -> zero_optimization.offload_optimizer" in done.stderr  # one warning, named
+    return sorted(reports, key=lambda r: r["global_rank"])
+
+
+@pytest.mark.parametrize("world, ep", [(1, 1), (2, 2)])
+def test_a_deepspeed_style_script_runs_with_renamed_imports(tmp_path, world, ep):
+    reports = _run(tmp_path, world, ep)
+    assert [r["global_rank"] for r in reports] == list(range(world))
+    micro = CONFIG["train_batch_size"] // (CONFIG["gradient_accumulation_steps"] * world)
+    for r in reports:
+        assert (r["local_rank"], r["world_size"], r["device"], r["backend"]) == (r["global_rank"], world, "cpu", "gloo")
+        assert (r["bf16"], r["fp16"]) == (False, False)
+        assert (r["train_batch_size"], r["micro"], r["accumulation"], r["batch"]) == (32, micro, 2, micro)
+        assert r["boundaries"] == [False, True] * STEPS  # every second micro-batch ends the window
+        assert r["module_is_net"] and r["optimizer_is"] and r["scheduler_is"]
+        assert len(r["norms"]) == STEPS and all(isinstance(n, float) and n > 0 for n in r["norms"])
+        assert r["lr"] == [pytest.approx(0.01)] * len(r["lr"])  # WarmupLR reached its top after 4 steps
+    assert all(r["norms"] == reports[0]["norms"] for r in reports)  # one global norm, agreed by every rank
+    losses = [sum(r["losses"][i] for r in reports) / world for i in range(2 * STEPS)]  # the global batch's
+    assert sum(losses[-8:]) < sum(losses[:8]), losses
+    saved = torch.load(tmp_path / "out" / "model.bin", weights_only=True)
+    experts = [k for k in saved if k.startswith("moe.deepspeed_moe.experts.deepspeed_experts.")]
+    assert sorted({k.split(".")[4] for k in experts}) == ["0", "1"]  # every expert, by global id, at any ep
+    assert not (tmp_path / "out" / "model_rank1.bin").exists()  # rank 0 writes the one file
