@@ -197,24 +197,28 @@ class Engine:
                           stacklevel=3)
 
     def _broadcast_initial_state(self) -> None:
-        """Start every replica from the same values: dense parameters and buffers from rank 0; experts from
-        their edp rank 0, or, for untouched copies of a layer's expert template (expert_init="copy"), from
-        rank 0, so the model starts as it would at any other layout (one collective decides which)."""
+        """Start every replica from the same values: dense parameters and buffers from rank 0, experts from
+        their edp rank 0; then copies of a layer's expert template (expert_init="copy") from rank 0, so the
+        model starts as it would at any other layout, unless some rank wrote into them (a loaded state
+        dict). Decided on the device: no host read."""
         if self.world_size == 1:
             return
         params = list(self.module.parameters())
-        experts = [p for p in params if hasattr(p, "allreduce") and not p.allreduce]
-        copies = torch.tensor([is_template_copy(p) for p in experts], dtype=torch.int32, device=self.device)
-        if experts:  # a copy on every rank, or on none (a rank that loaded its experts keeps them)
-            dist.all_reduce(copies, op=dist.ReduceOp.MIN)
-        from_template = {id(p) for p, copy in zip(experts, copies.tolist()) if copy}
+        copies = [p for p in params if hasattr(p, "template_copy")]  # built alike on every rank
+        untouched = torch.tensor([all(is_template_copy(p) for p in copies)], dtype=torch.int32, device=self.device)
+        if copies:
+            dist.all_reduce(untouched, op=dist.ReduceOp.MIN)
         with torch.no_grad():
             for param in params:
-                if id(param) in from_template or not (hasattr(param, "allreduce") and not param.allreduce):
-                    dist.broadcast(param.data, src=0)
-                else:
+                if hasattr(param, "allreduce") and not param.allreduce:
                     groups = groups_for_name(param.group_name, data_before_expert(param))
                     dist.broadcast(param.data, src=dist.get_global_rank(groups.edp_group, 0), group=groups.edp_group)
+                else:
+                    dist.broadcast(param.data, src=0)
+            for param in copies:
+                template = param.data.clone()
+                dist.broadcast(template, src=0)
+                param.data.copy_(torch.where(untouched.bool(), template, param.data))
             for buffer in self.module.buffers():
                 dist.broadcast(buffer.data, src=0)
 

@@ -174,3 +174,22 @@ def _padding(unit) -> int:
     if not hasattr(unit, "total"):
         return 0
     return max(0, unit.lo + unit.shard - max(unit.total, unit.lo))
+
+
+def test_the_engine_answers_deepspeeds_queries_on_the_device(monkeypatch):
+    """The queries DeepSpeed scripts make, at world 8 on the simulated GPU world (rank 3, bf16, ep 2)."""
+    cfg = gpt.TrainConfig(n_layer=2, n_head=2, n_embd=32, ffn=64, seq_len=16, batch_size=2, num_experts=8,
+                          top_k=2, ep_world_size=2, stage=2, dtype="bf16", gradient_accumulation_steps=2, steps=10)
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    with simulated_world(monkeypatch, 8, 3, rows_per_rank=cfg.batch_size * cfg.seq_len * cfg.top_k):
+        engine = _gpt_engine(cfg)
+        assert (engine.local_rank, engine.global_rank, engine.world_size) == (3, 3, 8)
+        assert engine.bfloat16_enabled() is True and engine.fp16_enabled() is False
+        assert (engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()) == (2, 2)
+        assert engine.train_batch_size() == 2 * 2 * 8
+        tokens = torch.randint(256, (cfg.batch_size, cfg.seq_len + 1))
+        boundaries = []
+        for _ in range(2):
+            boundaries.append(engine.is_gradient_accumulation_boundary())
+            gpt.train_step(engine, cfg, tokens[:, :-1], tokens[:, 1:])
+        assert boundaries == [False, True] and (engine.global_steps, engine.micro_steps) == (1, 2)
