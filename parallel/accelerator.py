@@ -98,6 +98,18 @@ class CudaAccelerator(Accelerator):
     def reset_peak_memory_stats(self, device_index: int | None = None) -> None:
         torch.cuda.reset_peak_memory_stats(device_index)
 
+    def memory_reserved(self, device_index: int | None = None) -> int:
+        return torch.cuda.memory_reserved(device_index)
+
+    def max_memory_reserved(self, device_index: int | None = None) -> int:
+        return torch.cuda.max_memory_reserved(device_index)
+
+    def total_memory(self, device_index: int | None = None) -> int:
+        return torch.cuda.get_device_properties(self.current_device() if device_index is None else device_index).total_memory
+
+    def available_memory(self, device_index: int | None = None) -> int:
+        return torch.cuda.mem_get_info(device_index)[0]
+
     def pin_memory(self, tensor: torch.Tensor) -> torch.Tensor:
         """A page-locked copy, so host-to-device copies can overlap compute."""
         return tensor.pin_memory()
@@ -181,6 +193,32 @@ class CpuAccelerator(Accelerator):
     def reset_peak_memory_stats(self, device_index: int | None = None) -> None:
         self._peak_rss = self._rss()
 
+    def memory_reserved(self, device_index: int | None = None) -> int:
+        """What the process holds: its resident set size, as `memory_allocated`."""
+        return self.memory_allocated(device_index)
+
+    def max_memory_reserved(self, device_index: int | None = None) -> int:
+        return self.max_memory_allocated(device_index)
+
+    def total_memory(self, device_index: int | None = None) -> int:
+        """The machine's physical memory in bytes (0 where the system does not say)."""
+        return self._meminfo("MemTotal:") or _sysconf_bytes("SC_PHYS_PAGES")
+
+    def available_memory(self, device_index: int | None = None) -> int:
+        """Memory the system could give without swapping, in bytes (Linux MemAvailable; 0 where unknown)."""
+        return self._meminfo("MemAvailable:") or _sysconf_bytes("SC_AVPHYS_PAGES")
+
+    @staticmethod
+    def _meminfo(field: str) -> int:
+        try:
+            with open("/proc/meminfo") as meminfo:
+                for line in meminfo:
+                    if line.startswith(field):
+                        return int(line.split()[1]) * 1024
+        except (OSError, ValueError, IndexError):
+            pass
+        return 0
+
     def pin_memory(self, tensor: torch.Tensor) -> torch.Tensor:
         """The tensor itself: pinning is for copies to a GPU, and there is none."""
         return tensor
@@ -193,6 +231,13 @@ class CpuAccelerator(Accelerator):
                 return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
         except (OSError, ValueError, IndexError):
             return 0
+
+
+def _sysconf_bytes(pages: str) -> int:
+    try:
+        return os.sysconf(pages) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):
+        return 0
 
 
 _accelerator: Accelerator | None = None

@@ -12,6 +12,8 @@ None where ours is torch.device("cpu"), and its is_fp16_supported() is None wher
 The CUDA branch is exercised in a simulated GPU world: torch.cuda's queries patched, tensors on fake CUDA.
 """
 
+import os
+
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -93,7 +95,9 @@ class _FakeCuda:
     def __init__(self, monkeypatch):
         self.calls = []
         answers = {"is_available": True, "device_count": 8, "current_device": 3, "is_bf16_supported": True,
-                   "get_device_capability": (8, 0), "memory_allocated": 1024, "max_memory_allocated": 4096}
+                   "get_device_capability": (8, 0), "memory_allocated": 1024, "max_memory_allocated": 4096,
+                   "memory_reserved": 2048, "max_memory_reserved": 8192, "mem_get_info": (5 << 30, 80 << 30),
+                   "get_device_properties": type("Properties", (), {"total_memory": 80 << 30})()}
         for name, value in answers.items():
             monkeypatch.setattr(torch.cuda, name, self._answer(name, value))
         for name in ("set_device", "synchronize", "manual_seed", "manual_seed_all", "empty_cache",
@@ -129,6 +133,9 @@ def test_cuda_names_devices_and_backend(fresh, monkeypatch):
     assert ("manual_seed", 5) in cuda.calls and ("manual_seed_all", 6) in cuda.calls
     assert ("empty_cache",) in cuda.calls and ("reset_peak_memory_stats", None) in cuda.calls
     assert ("max_memory_allocated", 0) in cuda.calls
+    assert (acc.memory_reserved(), acc.max_memory_reserved()) == (2048, 8192)
+    assert (acc.total_memory(), acc.available_memory()) == (80 << 30, 5 << 30)
+    assert ("get_device_properties", 3) in cuda.calls  # the current device's
 
 
 def test_cuda_fp16_needs_volta(fresh, monkeypatch):
@@ -144,3 +151,17 @@ def test_cuda_on_accelerator_by_device_type(fresh, monkeypatch):
         on_gpu = torch.empty(4, device="cuda")
     assert acc.on_accelerator(on_gpu) is True
     assert acc.on_accelerator(torch.zeros(4)) is False
+
+
+def test_cpu_reserved_total_and_available_memory(fresh, monkeypatch):
+    """As DeepSpeed's CPU accelerator: reserved is the resident set, total and available the machine's."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    acc = get_accelerator()
+    reserved = acc.memory_reserved()
+    with open("/proc/self/statm") as statm:
+        resident = int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    assert abs(reserved - resident) < 8 << 20 and acc.max_memory_reserved() >= reserved
+    with open("/proc/meminfo") as meminfo:
+        fields = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in meminfo}
+    assert acc.total_memory() == fields["MemTotal"]
+    assert 0 < acc.available_memory() <= acc.total_memory()
