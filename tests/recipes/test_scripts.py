@@ -69,8 +69,8 @@ def test_demo_under_torchrun_with_expert_parallelism(tmp_path):
     done = subprocess.run(command, capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stdout + done.stderr
     held = {int(rank): (int(first), int(last), [int(c) for c in counts.split(",")]) for rank, first, last, counts in
-            re.findall(r"^rank (\d): holds experts (\d+)\.\.(\d+); its tokens went to experts \[([0-9, ]+)\]",
-                       done.stdout, re.MULTILINE)}
+            re.findall(r"rank (\d): holds experts (\d+)\.\.(\d+); its tokens went to experts \[([0-9, ]+)\]",
+                       done.stdout)}  # not anchored: two processes share stdout, and a line may follow another's text
     assert sorted(held) == [0, 1], done.stdout
     assert [held[rank][:2] for rank in (0, 1)] == [(0, 1), (2, 3)]  # blocks of experts / ep_size, in rank order
     for _, _, counts in held.values():  # a rank's tokens, by global expert: at most one choice per token (k = 1)
