@@ -47,6 +47,7 @@ _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.floa
 _ROUNDS = 3  # timed calls per backend, after one warm-up call each
 _ROUND_SECONDS = 0.5  # ... fewer when a call takes longer than a third of this
 _choices: dict[str, str] = {}
+_fast: dict[tuple, str] = {}  # the hot path's index of _choices, by the parts of the key
 _loaded_from: str | None = None
 
 
@@ -159,8 +160,18 @@ def choose(key: str, runs: dict) -> str:
 
 def shape_key(kind: str, n: int, widths: tuple, dtype: torch.dtype, *operands) -> str:
     """A shape class: `kind`, N rounded up to a power of two, the widths, dtype and operand layouts."""
-    layouts = "".join("-" if t is None else "t" if t.stride(0) == 1 and t.shape[0] > 1 else "n" for t in operands)
-    return f"{kind}|{1 << (n - 1).bit_length() if n > 1 else 1}|{'x'.join(map(str, widths))}|{_DTYPE_NAMES[dtype]}|{layouts}"
+    layouts = "".join(map(_layout_code, operands))
+    return f"{kind}|{1 << _rows_class(n)}|{'x'.join(map(str, widths))}|{_DTYPE_NAMES[dtype]}|{layouts}"
+
+
+def _rows_class(n: int) -> int:
+    """log2 of N rounded up to a power of two (0 for N <= 1)."""
+    return (n - 1).bit_length() if n > 1 else 0
+
+
+def _layout_code(t: torch.Tensor | None) -> str:
+    """An operand's layout in a shape class: "-" absent, "t" a transposed view, "n" row-major."""
+    return "-" if t is None else "t" if t.stride(0) == 1 and t.shape[0] > 1 else "n"
 
 
 def worth_measuring(multiply_adds: int) -> bool:
@@ -173,21 +184,32 @@ def measuring(dtype: torch.dtype) -> bool:
     return _forced() == "auto" and _onednn_op(dtype) is not None
 
 
-def _backend(key: str, dtype: torch.dtype, multiply_adds: int, run) -> str:
+def _backend(kind: str, n: int, widths: tuple, dtype: torch.dtype, operands: tuple, multiply_adds: int, run) -> str:
+    """The backend for one product: forced, BLAS below the measuring size, else the shape class's choice.
+
+    The hot path (a class already chosen) looks the choice up by a tuple, without building the
+    class's string key; the tuple holds exactly what the key is made of.
+    """
     forced = _forced()
     if _onednn_op(dtype) is None or (forced == "auto" and not worth_measuring(multiply_adds)):
         return "blas"
     if forced != "auto":
         return forced
+    fast_key = (kind, _rows_class(n), widths, dtype, *map(_layout_code, operands))
+    choice = _fast.get(fast_key)
+    if choice is not None:
+        return choice
+    key = shape_key(kind, n, widths, dtype, *operands)
     _load()
     choice = _choices.get(key)
-    if choice in BACKENDS:  # the hot path: no candidates built
-        return choice
-    return choose(key, {name: functools.partial(run, name) for name in BACKENDS})
+    if choice not in BACKENDS:
+        choice = choose(key, {name: functools.partial(run, name) for name in BACKENDS})
+    _fast[fast_key] = choice  # a choice once made is never revised (see adopt), so it may be kept here
+    return choice
 
 
 def _cpu_product(t: torch.Tensor) -> bool:
-    return t.device.type == "cpu" and t.dtype in _ONEDNN_DTYPES and not torch.compiler.is_compiling()
+    return t.is_cpu and t.dtype in _ONEDNN_DTYPES and not torch.compiler.is_compiling()
 
 
 def linear(x_NI: torch.Tensor, w_OI: torch.Tensor, b_O: torch.Tensor | None = None,
@@ -203,9 +225,9 @@ def linear(x_NI: torch.Tensor, w_OI: torch.Tensor, b_O: torch.Tensor | None = No
     """
     if not _cpu_product(x_NI):
         return _linear_blas(x_NI, w_OI, b_O, out)
-    key = shape_key("linear", x_NI.shape[0], (x_NI.shape[1], w_OI.shape[0]), x_NI.dtype, x_NI, w_OI, b_O)
-    macs = x_NI.shape[0] * x_NI.shape[1] * w_OI.shape[0]
-    backend = _backend(key, x_NI.dtype, macs, lambda name: _LINEAR[name](x_NI, w_OI, b_O, out))
+    (n, width_in), width_out = x_NI.shape, w_OI.shape[0]
+    backend = _backend("linear", n, (width_in, width_out), x_NI.dtype, (x_NI, w_OI, b_O), n * width_in * width_out,
+                       lambda name: _LINEAR[name](x_NI, w_OI, b_O, out))
     return _LINEAR[backend](x_NI, w_OI, b_O, out)
 
 
@@ -220,9 +242,9 @@ def linear_tn(a_NP: torch.Tensor, b_NQ: torch.Tensor, out: torch.Tensor | None =
     """
     if not _cpu_product(a_NP):
         return _linear_tn_blas(a_NP, b_NQ, out)
-    key = shape_key("linear_tn", a_NP.shape[0], (a_NP.shape[1], b_NQ.shape[1]), a_NP.dtype, a_NP, b_NQ)
-    macs = a_NP.shape[0] * a_NP.shape[1] * b_NQ.shape[1]
-    backend = _backend(key, a_NP.dtype, macs, lambda name: _LINEAR_TN[name](a_NP, b_NQ, out))
+    (n, width_p), width_q = a_NP.shape, b_NQ.shape[1]
+    backend = _backend("linear_tn", n, (width_p, width_q), a_NP.dtype, (a_NP, b_NQ), n * width_p * width_q,
+                       lambda name: _LINEAR_TN[name](a_NP, b_NQ, out))
     return _LINEAR_TN[backend](a_NP, b_NQ, out)
 
 
@@ -250,6 +272,7 @@ def clear() -> None:
     """Forget every choice (tests; a later product measures again)."""
     global _loaded_from
     _choices.clear()
+    _fast.clear()
     _loaded_from = None
 
 

@@ -91,9 +91,30 @@ def expert_positions(expert_P: torch.Tensor, num_experts: int) -> tuple[torch.Te
         raise ValueError(f"expert_P must be a 1-D int64 tensor, got {expert_P.dtype} {list(expert_P.shape)}")
     if sync_checks() and expert_P.numel() and int(expert_P.max()) >= num_experts:
         raise ValueError(f"expert_P holds expert {int(expert_P.max())}, but num_experts is {num_experts}")
-    if not use_triton(torch.empty(0, device=expert_P.device)):
-        return expert_positions_reference(expert_P, num_experts)
-    return _expert_positions_triton(expert_P.contiguous(), num_experts)
+    if use_triton(torch.empty(0, device=expert_P.device)):
+        return _expert_positions_triton(expert_P.contiguous(), num_experts)
+    if (num_experts + 1) * expert_P.numel() <= SMALL_POSITIONS:
+        return _expert_positions_by_cumsum(expert_P, num_experts)
+    return expert_positions_reference(expert_P, num_experts)
+
+
+SMALL_POSITIONS = 1 << 19  # (E + 1) * P up to this: running counts per expert beat a stable sort (CPU, torch)
+
+
+def _expert_positions_by_cumsum(expert_P: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference's result from running counts: row e of an [E + 1, P] indicator, cumulated along P.
+
+    For few experts and choices this is several times faster than the reference's stable sort (a
+    gate's plan at E = 8, P = 8192: about 0.26 ms against 0.6 ms on a 2-core AMD EPYC); its memory
+    grows with E * P, hence the bound. int32 running counts: P <= SMALL_POSITIONS fits.
+    """
+    routed = expert_P >= 0
+    bucket_P = torch.where(routed, expert_P, num_experts)  # unrouted choices count in a spare bucket
+    buckets = torch.arange(num_experts + 1, device=expert_P.device).unsqueeze(1)
+    running_BP = (bucket_P.unsqueeze(0) == buckets).to(torch.int32).cumsum(1, dtype=torch.int32)
+    position_P = running_BP.gather(0, bucket_P.unsqueeze(0)).squeeze(0).long() - 1
+    counts_E = running_BP[:num_experts, -1].long() if expert_P.numel() else bucket_P.new_zeros(num_experts)
+    return counts_E, torch.where(routed, position_P, -1)
 
 
 @torch.library.custom_op("exactmoe::expert_positions", mutates_args=())

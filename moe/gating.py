@@ -102,6 +102,12 @@ def _gumbel_like(t: torch.Tensor) -> torch.Tensor:
     return uniform.log_().neg_().log_().neg_()
 
 
+def _argmax(scores_SE: torch.Tensor) -> torch.Tensor:
+    """argmax over experts, the first index on ties (as torch.argmax): max's indices, which torch
+    computes over a short last dimension several times faster than argmax on the CPU."""
+    return torch.max(scores_SE, dim=1).indices
+
+
 def _mask_unused(choice_S: torch.Tensor, used_token: torch.Tensor | None) -> torch.Tensor:
     if used_token is None:
         return choice_S
@@ -179,7 +185,7 @@ def top1gating(
     logits = _check_logits(logits, 1)
     gates_SE = F.softmax(logits, dim=1)
     scores = logits + _gumbel_like(logits) if noisy_gate_policy == "RSample" else gates_SE
-    choice_S = _mask_unused(torch.argmax(scores, dim=1), used_token)
+    choice_S = _mask_unused(_argmax(scores), used_token)
     num_experts = logits.shape[1]
     exp_counts = choice_counts(choice_S, num_experts)
     capacity = _capacity(logits, 1, capacity_factor, min_capacity, drop_tokens)
@@ -218,10 +224,10 @@ def top2gating(
     logits = _check_logits(logits, 2)
     S, num_experts = logits.shape
     gates_SE = F.softmax(logits, dim=1)
-    first_S = torch.argmax(gates_SE, dim=1)
+    first_S = _argmax(gates_SE)
     scores = logits + _gumbel_like(logits) if top2_2nd_expert_sampling else logits
     scores = scores.scatter(1, first_S.unsqueeze(1), float("-inf"))
-    second_S = torch.argmax(scores, dim=1)
+    second_S = _argmax(scores)
     expert_SK = torch.stack([first_S, second_S], 1)
     if used_token is not None:
         used_S = _mask_unused(first_S, used_token) >= 0

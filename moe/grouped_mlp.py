@@ -64,14 +64,9 @@ def _activation_backward(name: str, approximate: str, grad_a, h, a, out) -> None
         ops.silu_backward.grad_input(grad_a, h, grad_input=out)
 
 
-def _experts(counts: list[int]) -> list[tuple[int, slice]]:
-    """(expert, row slice) of every expert with at least one row."""
-    out, start = [], 0
-    for e, count in enumerate(counts):
-        if count:
-            out.append((e, slice(start, start + count)))
-        start += count
-    return out
+def _nonempty(counts: list[int]) -> list[int]:
+    """The experts with at least one row."""
+    return [e for e, count in enumerate(counts) if count]
 
 
 def _grad_like(param: torch.Tensor, counts: list[int]) -> torch.Tensor:
@@ -98,10 +93,12 @@ class _PerExpertMLP(torch.autograd.Function):
         h_NH = workspace.empty((N, H), x_NM.dtype, x_NM.device) if keep_h else a_NH  # else activated in place
         y_NM = workspace.empty((N, M_out), x_NM.dtype, x_NM.device)
         w1, w2, b1, b2 = (_per_expert(p, weight1.shape[0]) for p in (weight1, weight2, bias1, bias2))
-        for e, rows in _experts(counts):
-            gemm.linear(x_NM[rows], w1[e], b1[e], out=h_NH[rows])
-            _activate(name, approximate, h_NH[rows], a_NH[rows])
-            gemm.linear(a_NH[rows], w2[e], b2[e], out=y_NM[rows])
+        # each expert's rows as views made in one call per tensor: the loop issues products, not slicing
+        x_e, h_e, a_e, y_e = (t.split(counts) for t in (x_NM, h_NH, a_NH, y_NM))
+        for e in _nonempty(counts):
+            gemm.linear(x_e[e], w1[e], b1[e], out=h_e[e])
+            _activate(name, approximate, h_e[e], a_e[e])
+            gemm.linear(a_e[e], w2[e], b2[e], out=y_e[e])
         ctx.counts, ctx.activation, ctx.has_bias = counts, activation, bias1 is not None
         ctx.save_for_backward(x_NM, weight1, weight2, a_NH, *([h_NH] if keep_h else []))
         return y_NM
@@ -121,15 +118,18 @@ class _PerExpertMLP(torch.autograd.Function):
         grad_w1, grad_w2 = _grad_like(weight1, ctx.counts), _grad_like(weight2, ctx.counts)
         grad_b1 = _grad_like(weight1.new_empty(weight1.shape[:2]), ctx.counts) if ctx.has_bias else None
         grad_b2 = _grad_like(weight2.new_empty(weight2.shape[:2]), ctx.counts) if ctx.has_bias else None
-        for e, rows in _experts(ctx.counts):
-            grad_h = grad_h_NH[rows]
-            gemm.linear(grad_y_NM[rows], w2_t[e], out=grad_h)
-            _activation_backward(name, approximate, grad_h, None if h_NH is None else h_NH[rows], a_NH[rows], grad_h)
-            gemm.linear(grad_h, w1_t[e], out=grad_x_NM[rows])
-            gemm.linear_tn(grad_y_NM[rows], a_NH[rows], out=grad_w2[e])
-            gemm.linear_tn(grad_h, x_NM[rows], out=grad_w1[e])
+        counts = ctx.counts
+        grad_y_e, grad_h_e, grad_x_e, x_e, a_e = (t.split(counts) for t in (grad_y_NM, grad_h_NH, grad_x_NM, x_NM, a_NH))
+        h_e = (None,) * len(counts) if h_NH is None else h_NH.split(counts)
+        for e in _nonempty(counts):
+            grad_y, grad_h = grad_y_e[e], grad_h_e[e]
+            gemm.linear(grad_y, w2_t[e], out=grad_h)
+            _activation_backward(name, approximate, grad_h, h_e[e], a_e[e], grad_h)
+            gemm.linear(grad_h, w1_t[e], out=grad_x_e[e])
+            gemm.linear_tn(grad_y, a_e[e], out=grad_w2[e])
+            gemm.linear_tn(grad_h, x_e[e], out=grad_w1[e])
             if ctx.has_bias:
-                torch.sum(grad_y_NM[rows], 0, out=grad_b2[e])
+                torch.sum(grad_y, 0, out=grad_b2[e])
                 torch.sum(grad_h, 0, out=grad_b1[e])
         return grad_x_NM, grad_w1, grad_b1, grad_w2, grad_b2, None, None
 

@@ -18,6 +18,20 @@ def test_positions_match_reference(P, E, unrouted, kernel_backend):
     assert torch.equal(counts, ref_counts) and torch.equal(positions, ref_positions)
 
 
+@pytest.mark.parametrize("P,E", [(0, 3), (1, 1), (9, 1), (300, 7), (5000, 8), (20000, 20)])
+def test_running_count_positions_equal_the_sorted_ones(P, E):
+    """The CPU path for few experts and choices (running counts) against the reference (a stable sort)."""
+    from kernels.slots import SMALL_POSITIONS, _expert_positions_by_cumsum
+
+    g = torch.Generator().manual_seed(P * 3 + E)
+    expert_P = torch.randint(-1, E, (P,), generator=g)  # -1: routed nowhere
+    assert (E + 1) * P <= SMALL_POSITIONS
+    for got, want in zip(_expert_positions_by_cumsum(expert_P, E), expert_positions_reference(expert_P, E)):
+        assert got.dtype == want.dtype and torch.equal(got, want)
+    if P and E == 8:  # the public entry takes this path here
+        assert torch.equal(expert_positions(expert_P, E)[1], expert_positions_reference(expert_P, E)[1])
+
+
 def test_positions_follow_fill_order():
     counts, positions = expert_positions_reference(torch.tensor([2, 0, 2, -1, 2, 0]), 3)
     assert counts.tolist() == [2, 0, 3]
