@@ -132,6 +132,28 @@ class TopKGateConfig:
                 and self.norm_topk_prob is None and self.routed_scaling_factor == 1.0)
 
 
+class _RouterLinear(torch.autograd.Function):
+    """logits = x W^T by F.linear (routing decides on exactly these logits); W's gradient as grad^T x.
+
+    autograd's own backward forms W's gradient as (x^T grad)^T, a product whose [M, S] operand is a
+    transposed view. With few experts BLAS runs that form several times slower: 0.85 ms against
+    0.12 ms at S = 4096, M = 128, E = 8 on a 2-core AMD EPYC (at S = 8192, M = 512, E = 16 both take
+    the same time and give the same bits). The two forms differ only in the order of fp32 sums.
+    """
+
+    @staticmethod
+    def forward(ctx, x_SM, weight_EM):
+        ctx.save_for_backward(x_SM, weight_EM)
+        return F.linear(x_SM, weight_EM)
+
+    @staticmethod
+    def backward(ctx, grad_SE):
+        x_SM, weight_EM = ctx.saved_tensors
+        grad_x = grad_SE.mm(weight_EM) if ctx.needs_input_grad[0] else None
+        grad_weight = grad_SE.t().mm(x_SM) if ctx.needs_input_grad[1] else None
+        return grad_x, grad_weight
+
+
 class TopKGate(torch.nn.Module):
     """The router: a bias-free linear map to expert logits, computed in fp32, then a gating policy.
 
@@ -205,7 +227,7 @@ class TopKGate(torch.nn.Module):
         if self.training and cfg.noisy_gate_policy == "Jitter":
             x_SM = x_SM * torch.empty_like(x_SM).uniform_(1.0 - JITTER_EPS, 1.0 + JITTER_EPS)
         with no_autocast(x_SM.device):  # the router stays fp32 under the model's autocast
-            logits = F.linear(x_SM, self.wg.weight.to(x_SM.dtype))
+            logits = _RouterLinear.apply(x_SM, self.wg.weight.to(x_SM.dtype))
         capacity_factor = cfg.capacity_factor if self.training else cfg.eval_capacity_factor
         if cfg.routing == "expert_choice":
             return expert_choice_gating(logits, capacity_factor, used_token=used_token)
