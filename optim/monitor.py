@@ -148,9 +148,18 @@ class Monitor:
         self.writer = SummaryWriter(log_dir=log_dir)
 
     def scalars(self, step: int, values: dict[str, float]) -> None:
-        """One scalar per tag, e.g. {"Val/loss": 1.9, "Train/tokens_per_s": 5e4}."""
-        for tag, value in values.items():
-            self.writer.add_scalar(tag, value, step)
+        """One scalar per tag, e.g. {"Val/loss": 1.9, "Train/tokens_per_s": 5e4}, all in one event.
+
+        What `add_scalar` writes per tag (a simple value), as one summary with a value per tag: TensorBoard
+        reads each tag as before, and a step's dozen MoE statistics cost one event instead of twelve
+        (about 85 us each through `add_scalar`, most of it in the writer's queue and thread).
+        """
+        if not values:
+            return
+        from tensorboard.compat.proto.summary_pb2 import Summary
+
+        summary = Summary(value=[Summary.Value(tag=tag, simple_value=float(value)) for tag, value in values.items()])
+        self.writer._get_file_writer().add_summary(summary, step)
 
     def train_step(self, step: int, samples: int, lr: float, loss_scale: float, seconds: float, batch_size: int,
                    loss: float | None, layers: list[LayerStats]) -> None:
@@ -162,9 +171,10 @@ class Monitor:
         deepspeed = {"Train/Samples/lr": lr, "Train/Samples/loss_scale": loss_scale}
         if loss is not None:
             scalars["Train/loss"] = deepspeed["Train/Samples/train_loss"] = loss
-        self.scalars(step, scalars)
+        self.scalars(step, {**scalars, **self._routing_scalars(layers)})
         self.scalars(samples, deepspeed)
-        self.routing(step, layers, pictures=step == 1 or step % PICTURE_INTERVAL == 0)
+        if layers and (step == 1 or step % PICTURE_INTERVAL == 0):
+            self._pictures(step, layers)
 
     def routing(self, step: int, layers: list[LayerStats], pictures: bool = True) -> None:
         """l_aux, z-loss, dropped fraction and MaxVio (mean over layers and per layer), the expert bias's
@@ -172,21 +182,31 @@ class Monitor:
         each layer's load histogram and the experts x layers heatmap."""
         if not layers:
             return
-        mean = {"MoE/l_aux": sum(s.l_aux for s in layers) / len(layers),
-                "MoE/z_loss": sum(s.z_loss for s in layers) / len(layers),
-                "MoE/dropped_fraction": sum(s.dropped_fraction for s in layers) / len(layers),
-                "MoE/max_vio": sum(s.max_vio for s in layers) / len(layers)}
-        self.scalars(step, mean)
-        for s in layers:
-            per_layer = {f"MoE/{s.name}/l_aux": s.l_aux, f"MoE/{s.name}/dropped_fraction": s.dropped_fraction,
-                         f"MoE/{s.name}/max_load": float(s.load.max()), f"MoE/{s.name}/max_vio": s.max_vio}
-            if s.bias_range is not None:
-                per_layer[f"MoE/{s.name}/bias_min"], per_layer[f"MoE/{s.name}/bias_max"] = s.bias_range
-            self.scalars(step, per_layer)
+        self.scalars(step, self._routing_scalars(layers))
         if pictures:
-            for s in layers:
-                self._load_histogram(step, s)
-            self.writer.add_image("MoE/expert_load", load_heatmap([s.load for s in layers]), step, dataformats="HWC")
+            self._pictures(step, layers)
+
+    @staticmethod
+    def _routing_scalars(layers: list[LayerStats]) -> dict[str, float]:
+        if not layers:
+            return {}
+        dropped = [s.dropped_fraction for s in layers]
+        max_vio = [s.max_vio for s in layers]
+        values = {"MoE/l_aux": sum(s.l_aux for s in layers) / len(layers),
+                  "MoE/z_loss": sum(s.z_loss for s in layers) / len(layers),
+                  "MoE/dropped_fraction": sum(dropped) / len(layers),
+                  "MoE/max_vio": sum(max_vio) / len(layers)}
+        for s, dropped_fraction, vio in zip(layers, dropped, max_vio):
+            values.update({f"MoE/{s.name}/l_aux": s.l_aux, f"MoE/{s.name}/dropped_fraction": dropped_fraction,
+                           f"MoE/{s.name}/max_load": float(s.load.max()), f"MoE/{s.name}/max_vio": vio})
+            if s.bias_range is not None:
+                values[f"MoE/{s.name}/bias_min"], values[f"MoE/{s.name}/bias_max"] = s.bias_range
+        return values
+
+    def _pictures(self, step: int, layers: list[LayerStats]) -> None:
+        for s in layers:
+            self._load_histogram(step, s)
+        self.writer.add_image("MoE/expert_load", load_heatmap([s.load for s in layers]), step, dataformats="HWC")
 
     def _load_histogram(self, step: int, s: LayerStats) -> None:
         """The distribution of routed choices over expert ids: one bucket per expert."""
