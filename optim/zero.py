@@ -206,6 +206,9 @@ class FlatGroup:
         self.bucketed = False  # set when gradient buckets reduce this group (flat_shard)
         self.flat_grad = torch.zeros_like(self.flat, dtype=grad_dtype) if stage <= 1 else None
         self.grad_shard = torch.zeros(self.shard, dtype=grad_dtype, device=device) if stage == 2 else None
+        # each parameter's view of the flat gradient, made once (the buffer is never replaced): pointing
+        # .grad at it again every step is then an identity check, not a slice and a view per parameter
+        self._grad_views = [] if self.flat_grad is None else list(self._views(self.flat_grad))
         self._point_grads()
 
     def _views(self, buffer: torch.Tensor):
@@ -216,11 +219,14 @@ class FlatGroup:
         """Stages 0/1: make every .grad a view into the flat gradient, keeping what it held."""
         if self.flat_grad is None or self.accumulate:
             return
-        for param, view in self._views(self.flat_grad):
-            if param.grad is None:
+        for param, view in self._grad_views:
+            grad = param.grad
+            if grad is view:
+                continue
+            if grad is None:
                 view.zero_()
-            elif param.grad.data_ptr() != view.data_ptr():
-                view.copy_(param.grad)
+            elif grad.data_ptr() != view.data_ptr():
+                view.copy_(grad)
             param.grad = view
 
     def flat_shard(self) -> FlatShard:
@@ -242,7 +248,7 @@ class FlatGroup:
         gradients are already in its shard: the engine's buckets finish first)."""
         if self.stage != 2 and self.accumulate:
             with torch.no_grad():
-                for param, view in self._views(self.flat_grad):
+                for param, view in self._grad_views:
                     if param.grad is not None:
                         view.add_(param.grad)
                         param.grad = None
@@ -250,7 +256,7 @@ class FlatGroup:
     def reduce(self) -> None:
         """At the accumulation boundary: stages 0/1 all-reduce the flat gradient, unless buckets did."""
         if self.stage <= 1 and self.bucketed:  # reduced already; .grad points into the flat gradient again
-            for param, view in self._views(self.flat_grad):
+            for param, view in self._grad_views:
                 param.grad = None if self.accumulate else view
         elif self.stage <= 1:
             self._point_grads()
