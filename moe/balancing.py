@@ -20,7 +20,10 @@ choices routed to expert i over the whole global batch of that step.
 
 import torch
 
-__all__ = ["LOAD_BALANCING_TYPES", "balance_loss", "max_violation", "normalized_scores", "update_bias"]
+__all__ = [
+    "LOAD_BALANCING_TYPES", "balance_fraction", "balance_loss", "max_violation", "normalized_scores",
+    "update_bias",
+]
 
 LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "none")
 
@@ -39,13 +42,16 @@ def choice_counts(expert_SK: torch.Tensor, num_experts: int) -> torch.Tensor:
     return counts.scatter_add_(0, index, torch.ones_like(index)).narrow(0, 1, num_experts)
 
 
-def _switch_loss(probs_SE: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
-    """E * sum_i f_i * P_i with f_i = c_i / sum_j c_j and P_i = mean_s probs[s, i]."""
-    num_experts = probs_SE.shape[1]
+def _switch_loss(probs_SE: torch.Tensor, frac_E: torch.Tensor) -> torch.Tensor:
+    """E * sum_i f_i * P_i with P_i = mean_s probs[s, i]; 0 without tokens."""
     if probs_SE.shape[0] == 0:
         return probs_SE.new_zeros(())
-    frac_E = counts_E.to(probs_SE.dtype) / counts_E.sum().clamp(min=1).to(probs_SE.dtype)
-    return num_experts * torch.sum(probs_SE.mean(0) * frac_E)
+    return probs_SE.shape[1] * torch.sum(probs_SE.mean(0) * frac_E)
+
+
+def _count_fraction(counts_E: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """f_i = c_i / sum_j c_j (0 everywhere without counts)."""
+    return counts_E.to(dtype) / counts_E.sum().clamp(min=1).to(dtype)
 
 
 def _sequence_loss(probs_SE: torch.Tensor, expert_SK: torch.Tensor, seq_len: int) -> torch.Tensor:
@@ -62,6 +68,34 @@ def _sequence_loss(probs_SE: torch.Tensor, expert_SK: torch.Tensor, seq_len: int
     return num_experts * (probs_BTE.mean(1) * frac_BE).sum(1).mean()
 
 
+def balance_fraction(
+    load_balancing_type: str, expert_SK: torch.Tensor, num_experts: int, dtype: torch.dtype, *,
+    global_counts=None, default=None,
+) -> torch.Tensor | None:
+    """f of the batch-wide forms, L = E * sum_i f_i * mean_s P[s, i]: a constant [E], so dL/dP[s, i] = E f_i / S.
+
+    Args:
+        load_balancing_type: "aux_loss", "global_aux_loss" or "none" (seq_aux_loss has an f per
+            sequence and no single one: `balance_loss` computes it).
+        expert_SK, global_counts: as in `balance_loss`.
+        num_experts: E.
+        dtype: f's dtype (the scores').
+        default: a function giving the policy's own f for aux_loss (DeepSpeed's form); None: the Switch form.
+
+    Returns:
+        f, shape [E]; None for "none" (the loss is 0 and carries no gradient).
+    """
+    if load_balancing_type == "none":
+        return None
+    if load_balancing_type == "aux_loss":
+        return default() if default is not None else _count_fraction(choice_counts(expert_SK, num_experts), dtype)
+    if load_balancing_type == "global_aux_loss":
+        counts_E = choice_counts(expert_SK, num_experts)
+        return _count_fraction(global_counts(counts_E) if global_counts is not None else counts_E, dtype)
+    raise ValueError(f"load_balancing_type must be one of {LOAD_BALANCING_TYPES[:1] + LOAD_BALANCING_TYPES[2:]} "
+                     f"here (one f for the batch), got {load_balancing_type!r}")
+
+
 def balance_loss(
     load_balancing_type: str, probs_SE: torch.Tensor, expert_SK: torch.Tensor, *, seq_len: int | None = None,
     global_counts=None, default=None,
@@ -76,7 +110,7 @@ def balance_loss(
         global_counts: for global_aux_loss, a function from this batch's counts [E] to the counts f is
             taken from (the gate sums them over the data-parallel group and the micro-batches); None
             uses this batch's counts.
-        default: a function giving the policy's own aux_loss (DeepSpeed's form); None: the Switch form.
+        default: a function giving the policy's own f for aux_loss (DeepSpeed's form); None: the Switch form.
 
     Returns:
         the loss, a scalar in probs_SE's dtype.
@@ -84,11 +118,6 @@ def balance_loss(
     Raises:
         ValueError: seq_aux_loss without a seq_len that divides S.
     """
-    num_experts = probs_SE.shape[1]
-    if load_balancing_type == "none":
-        return probs_SE.new_zeros(())
-    if load_balancing_type == "aux_loss":
-        return default() if default is not None else _switch_loss(probs_SE, choice_counts(expert_SK, num_experts))
     if load_balancing_type == "seq_aux_loss":
         if not seq_len or probs_SE.shape[0] % seq_len:
             raise ValueError(
@@ -96,10 +125,9 @@ def balance_loss(
                 f"the {probs_SE.shape[0]} tokens), got seq_len={seq_len}"
             )
         return _sequence_loss(probs_SE, expert_SK, seq_len)
-    if load_balancing_type == "global_aux_loss":
-        counts_E = choice_counts(expert_SK, num_experts)
-        return _switch_loss(probs_SE, global_counts(counts_E) if global_counts is not None else counts_E)
-    raise ValueError(f"load_balancing_type must be one of {LOAD_BALANCING_TYPES}, got {load_balancing_type!r}")
+    frac_E = balance_fraction(load_balancing_type, expert_SK, probs_SE.shape[1], probs_SE.dtype,
+                              global_counts=global_counts, default=default)
+    return probs_SE.new_zeros(()) if frac_E is None else _switch_loss(probs_SE, frac_E)
 
 
 @torch.no_grad()

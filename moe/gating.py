@@ -21,7 +21,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from kernels import sync_checks
-from moe.balancing import balance_loss, choice_counts, normalized_scores
+from moe.balancing import balance_fraction, balance_loss, choice_counts, normalized_scores
+from moe.gate_outputs import gate_outputs
 from moe.routing import Routing, assign_slots
 
 __all__ = ["SCORING_FUNCS", "top1gating", "top2gating", "topkgating"]
@@ -117,11 +118,9 @@ def _mask_unused(choice_S: torch.Tensor, used_token: torch.Tensor | None) -> tor
     return torch.where(used != 0, choice_S, -1)
 
 
-def _balance_loss(gates_SE: torch.Tensor, counts_E: torch.Tensor, k: int) -> torch.Tensor:
-    """l_aux = E * sum_e mean_s(gates[s, e]) * frac_e, frac_e = counts_e / (S * k)."""
-    num_tokens, num_experts = gates_SE.shape
-    frac_E = counts_E.to(gates_SE.dtype) / max(num_tokens * k, 1)
-    return num_experts * torch.sum(gates_SE.mean(0) * frac_E)
+def _own_fraction(counts_E: torch.Tensor, num_tokens: int, k: int, dtype: torch.dtype) -> torch.Tensor:
+    """The policies' own f of l_aux = E * sum_e mean_s(gates[s, e]) * f_e (DeepSpeed's): f_e = counts_e / (S * k)."""
+    return counts_E.to(dtype) / max(num_tokens * k, 1)
 
 
 def _z_loss(logits_SE: torch.Tensor) -> torch.Tensor:
@@ -146,6 +145,35 @@ def _plan(
     return Routing(
         expert_idx_SK=expert_SK, slot_SK=torch.where(kept_SK, slot_SK, -1), weight_SK=weight_SK,
         resolve_capacity=resolve_capacity, num_experts=scores_SE.shape[1], l_aux=l_aux,
+        exp_counts=exp_counts.detach(), z_loss=z_loss, max_rows=max_rows,
+    )
+
+
+def _softmax_plan(
+    logits, gates_SE, expert_SK, slot_SK, resolve_capacity, exp_counts, max_rows: int, renormalize: bool,
+    balance: dict, balance_expert_SK, own_fraction, scaling: float = 1.0,
+) -> Routing:
+    """The plan of a softmax routing; weights, l_aux and z_loss reach the logits through one autograd
+    node (moe.gate_outputs), or through plain autograd for seq_aux_loss (an f per sequence).
+
+    gates_SE is softmax(logits) without autograd; balance holds load_balancing_type, seq_len and
+    global_counts; balance_expert_SK are the choices the balance counts (before any drop);
+    own_fraction gives the policy's f for aux_loss.
+    """
+    load_balancing_type = balance["load_balancing_type"]
+    if load_balancing_type == "seq_aux_loss":
+        gates_SE = F.softmax(logits, dim=1)  # the same values, now differentiable
+        l_aux = balance_loss(load_balancing_type, gates_SE, balance_expert_SK, seq_len=balance["seq_len"])
+        return _plan(gates_SE, expert_SK, slot_SK, resolve_capacity, l_aux, exp_counts, _z_loss(logits), renormalize,
+                     scaling, max_rows)
+    frac_E = balance_fraction(load_balancing_type, balance_expert_SK, gates_SE.shape[1], gates_SE.dtype,
+                              global_counts=balance["global_counts"], default=own_fraction)
+    kept_SK = slot_SK >= 0
+    expert_SK = torch.where(kept_SK, expert_SK, -1)
+    weight_SK, l_aux, z_loss = gate_outputs(logits, gates_SE, expert_SK, frac_E, renormalize, scaling)
+    return Routing(
+        expert_idx_SK=expert_SK, slot_SK=torch.where(kept_SK, slot_SK, -1), weight_SK=weight_SK,
+        resolve_capacity=resolve_capacity, num_experts=gates_SE.shape[1], l_aux=l_aux,
         exp_counts=exp_counts.detach(), z_loss=z_loss, max_rows=max_rows,
     )
 
@@ -183,18 +211,20 @@ def top1gating(
     """
     _check_policy(noisy_gate_policy)
     logits = _check_logits(logits, 1)
-    gates_SE = F.softmax(logits, dim=1)
-    scores = logits + _gumbel_like(logits) if noisy_gate_policy == "RSample" else gates_SE
+    gates_SE = F.softmax(logits.detach(), dim=1)
+    scores = logits.detach() + _gumbel_like(logits) if noisy_gate_policy == "RSample" else gates_SE
     choice_S = _mask_unused(_argmax(scores), used_token)
     num_experts = logits.shape[1]
     exp_counts = choice_counts(choice_S, num_experts)
     capacity = _capacity(logits, 1, capacity_factor, min_capacity, drop_tokens)
     priority = torch.rand(choice_S.shape, device=logits.device) if (use_rts and drop_tokens) else None
     slot_S = assign_slots(choice_S, num_experts, _slots_capacity(capacity, logits, 1), priority)
-    l_aux = balance_loss(load_balancing_type, gates_SE, choice_S.unsqueeze(1), seq_len=seq_len,
-                         global_counts=global_counts, default=lambda: _balance_loss(gates_SE, exp_counts, 1))
-    return _plan(gates_SE, choice_S.unsqueeze(1), slot_S.unsqueeze(1), _resolver(capacity, exp_counts, ep_group), l_aux,
-                 exp_counts, _z_loss(logits), False, max_rows=_max_rows(capacity, logits.shape[0], 1, num_experts))
+    balance = {"load_balancing_type": load_balancing_type, "seq_len": seq_len, "global_counts": global_counts}
+    return _softmax_plan(
+        logits, gates_SE, choice_S.unsqueeze(1), slot_S.unsqueeze(1), _resolver(capacity, exp_counts, ep_group),
+        exp_counts, _max_rows(capacity, logits.shape[0], 1, num_experts), False, balance, choice_S.unsqueeze(1),
+        lambda: _own_fraction(exp_counts, logits.shape[0], 1, logits.dtype),
+    )
 
 
 def top2gating(
@@ -223,9 +253,9 @@ def top2gating(
     """
     logits = _check_logits(logits, 2)
     S, num_experts = logits.shape
-    gates_SE = F.softmax(logits, dim=1)
+    gates_SE = F.softmax(logits.detach(), dim=1)
     first_S = _argmax(gates_SE)
-    scores = logits + _gumbel_like(logits) if top2_2nd_expert_sampling else logits
+    scores = logits.detach() + _gumbel_like(logits) if top2_2nd_expert_sampling else logits.detach()
     scores = scores.scatter(1, first_S.unsqueeze(1), float("-inf"))
     second_S = _argmax(scores)
     expert_SK = torch.stack([first_S, second_S], 1)
@@ -235,12 +265,12 @@ def top2gating(
     exp_counts = choice_counts(expert_SK.reshape(-1), num_experts)
     capacity = _capacity(logits, 2, capacity_factor, min_capacity, drop_tokens)
     slot_SK = assign_slots(expert_SK.t().reshape(-1), num_experts, _slots_capacity(capacity, logits, 2)).view(2, S).t()
-    l_aux = balance_loss(
-        load_balancing_type, gates_SE, expert_SK, seq_len=seq_len, global_counts=global_counts,
-        default=lambda: _balance_loss(gates_SE, choice_counts(expert_SK.select(1, 0), num_experts), 1),
+    balance = {"load_balancing_type": load_balancing_type, "seq_len": seq_len, "global_counts": global_counts}
+    return _softmax_plan(  # DeepSpeed's aux_loss counts the first choices only
+        logits, gates_SE, expert_SK, slot_SK, _resolver(capacity, exp_counts, ep_group), exp_counts,
+        _max_rows(capacity, S, 2, num_experts), True, balance, expert_SK,
+        lambda: _own_fraction(choice_counts(expert_SK.select(1, 0), num_experts), S, 1, logits.dtype),
     )
-    return _plan(gates_SE, expert_SK, slot_SK, _resolver(capacity, exp_counts, ep_group), l_aux, exp_counts,
-                 _z_loss(logits), True, max_rows=_max_rows(capacity, S, 2, num_experts))
 
 
 def _limit_groups(select_SE: torch.Tensor, n_group: int, topk_group: int) -> torch.Tensor:
@@ -322,7 +352,8 @@ def topkgating(
     logits = _check_logits(logits, k)
     S, num_experts = logits.shape
     _check_group_limit(num_experts, k, n_group, topk_group)
-    scores_SE = F.softmax(logits, dim=1) if scoring_func == "softmax" else torch.sigmoid(logits)
+    softmax = scoring_func == "softmax"  # its outputs then reach the logits through one node (_softmax_plan)
+    scores_SE = F.softmax(logits.detach(), dim=1) if softmax else torch.sigmoid(logits)
     select_SE = scores_SE.detach()
     if expert_bias is not None:
         select_SE = select_SE + expert_bias.detach().to(select_SE.dtype)
@@ -340,13 +371,19 @@ def topkgating(
     capacity = _capacity(logits, k, capacity_factor, min_capacity, drop_tokens)
     priority = top_score_SK.reshape(-1) if (drop_policy == "probs" and drop_tokens) else None
     slot_SK = assign_slots(expert_SK.reshape(-1), num_experts, _slots_capacity(capacity, logits, k), priority).view(S, k)
+    resolve, max_rows = _resolver(capacity, exp_counts, ep_group), _max_rows(capacity, S, k, num_experts)
+    own_fraction = lambda: _own_fraction(exp_counts, S, k, logits.dtype)  # noqa: E731
+    if softmax:
+        balance = {"load_balancing_type": load_balancing_type, "seq_len": seq_len, "global_counts": global_counts}
+        return _softmax_plan(logits, scores_SE, expert_SK, slot_SK, resolve, exp_counts, max_rows, norm_topk_prob,
+                             balance, expert_SK, own_fraction, routed_scaling_factor)
     probs_SE = normalized_scores(scores_SE, scoring_func)
     l_aux = balance_loss(
         load_balancing_type, probs_SE, expert_SK, seq_len=seq_len, global_counts=global_counts,
-        default=lambda: _balance_loss(probs_SE, exp_counts, k),
+        default=own_fraction,
     )
-    return _plan(scores_SE, expert_SK, slot_SK, _resolver(capacity, exp_counts, ep_group), l_aux, exp_counts,
-                 _z_loss(logits), norm_topk_prob, routed_scaling_factor, _max_rows(capacity, S, k, num_experts))
+    return _plan(scores_SE, expert_SK, slot_SK, resolve, l_aux, exp_counts, _z_loss(logits), norm_topk_prob,
+                 routed_scaling_factor, max_rows)
 
 
 def _check_policy(noisy_gate_policy) -> None:
