@@ -58,8 +58,7 @@ class _Permute(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_NM):
         (row_SK,) = ctx.saved_tensors
-        ones_SK = torch.ones(row_SK.shape, dtype=torch.float32, device=row_SK.device)
-        return combine_rows(grad_NM, row_SK, ones_SK), None, None
+        return combine_rows(grad_NM, row_SK, None), None, None
 
 
 def permute(x_SM: torch.Tensor, row_SK: torch.Tensor, num_rows: int) -> torch.Tensor:

@@ -187,15 +187,25 @@ def gather_rows(x_SM: torch.Tensor, token_N: torch.Tensor, scale_N: torch.Tensor
     return buffer_NM
 
 
-def combine_rows(buffer_NM: torch.Tensor, row_SK: torch.Tensor, weight_SK: torch.Tensor) -> torch.Tensor:
-    """out[s] = sum_j w[s, j] * buffer[row[s, j]], fp32 accumulation (Triton, or one gather per choice)."""
+def combine_rows(buffer_NM: torch.Tensor, row_SK: torch.Tensor, weight_SK: torch.Tensor | None) -> torch.Tensor:
+    """out[s] = sum_j w[s, j] * buffer[row[s, j]], fp32 accumulation (Triton, or one gather per choice).
+
+    weight_SK None: unit weights (permute's backward), where the CPU path adds gathered rows without
+    multiplying and zeroes the few rows of dropped choices found by a host read.
+    """
     buffer_NM = buffer_NM.contiguous()
     if use_triton(buffer_NM):
+        if weight_SK is None:
+            weight_SK = torch.ones(row_SK.shape, dtype=torch.float32, device=row_SK.device)
         return combine_rows_triton(buffer_NM, row_SK, weight_SK)
     S, K = row_SK.shape
     acc_dtype = accumulation_dtype(buffer_NM.dtype)
     if K == 0:
         return buffer_NM.new_zeros(S, buffer_NM.shape[1])
+    if weight_SK is None:
+        if buffer_NM.device.type == "cpu" and not torch.compiler.is_compiling():
+            return _sum_rows(buffer_NM, row_SK)
+        weight_SK = torch.ones(row_SK.shape, dtype=torch.float32, device=row_SK.device)
     kept_SK = row_SK >= 0
     rows_SK = row_SK.clamp(min=0)
     w_SK = torch.where(kept_SK, weight_SK, torch.zeros_like(weight_SK)).to(acc_dtype)
@@ -206,6 +216,28 @@ def combine_rows(buffer_NM: torch.Tensor, row_SK: torch.Tensor, weight_SK: torch
         rows_SM = workspace.empty(shape, buffer_NM.dtype, buffer_NM.device)
         for j in range(1, K):
             out_SM.addcmul_(_select(buffer_NM, rows_SK[:, j], rows_SM).to(acc_dtype), w_SK[:, j : j + 1])
+    return out_SM.to(buffer_NM.dtype)
+
+
+def _sum_rows(buffer_NM: torch.Tensor, row_SK: torch.Tensor) -> torch.Tensor:
+    """out[s] = sum_j buffer[row[s, j]] over kept choices, in fp32 (eager CPU: rows of dropped choices
+    are found by a host read and zeroed, so no weight multiplies any row)."""
+    S, K = row_SK.shape
+    acc_dtype = accumulation_dtype(buffer_NM.dtype)
+    shape = (S, buffer_NM.shape[1])
+    dropped = (row_SK < 0).t().nonzero()  # [choice, token] pairs, choice-major
+    rows_SK = row_SK.clamp(min=0)
+    out_SM = _select(buffer_NM, rows_SK[:, 0], workspace.empty(shape, buffer_NM.dtype, buffer_NM.device)).to(acc_dtype)
+    rows_SM = workspace.empty(shape, buffer_NM.dtype, buffer_NM.device) if K > 1 else None
+    counts = torch.bincount(dropped[:, 0], minlength=K).tolist() if dropped.numel() else [0] * K
+    tokens = dropped[:, 1].split(counts)
+    if counts[0]:
+        out_SM.index_fill_(0, tokens[0], 0)
+    for j in range(1, K):
+        gathered = _select(buffer_NM, rows_SK[:, j], rows_SM)
+        if counts[j]:
+            gathered.index_fill_(0, tokens[j], 0)
+        out_SM.add_(gathered.to(acc_dtype))
     return out_SM.to(buffer_NM.dtype)
 
 
@@ -221,7 +253,10 @@ def row_dots(grad_SM: torch.Tensor, buffer_NM: torch.Tensor, row_SK: torch.Tenso
     acc_dtype = accumulation_dtype(buffer_NM.dtype)
     if g_NM is None:
         g_NM = gather_rows(grad_SM, source_tokens(row_SK, num_rows), None)
-    dots_N = torch.bmm(g_NM.to(acc_dtype).unsqueeze(1), buffer_NM.to(acc_dtype).unsqueeze(2)).view(-1)
+    # products into the workspace, then a sum along rows: faster than a batched [1, M] x [M, 1] product
+    # (0.18 against 0.38 ms at N = 8192, M = 128; 5.3 against 7.4 ms at N = 20480, M = 512, 2-core AMD EPYC)
+    products_NM = workspace.empty(g_NM.shape, acc_dtype, g_NM.device)
+    dots_N = torch.mul(g_NM.to(acc_dtype), buffer_NM.to(acc_dtype), out=products_NM).sum(1)
     dots_N1 = torch.cat([dots_N, dots_N.new_zeros(1)])  # row N: the dropped choices' zero
     return dots_N1[torch.where(row_SK >= 0, row_SK, num_rows)]
 

@@ -11,25 +11,36 @@ def _ptr(t):
 
 def test_storage_is_reused_only_after_every_reference_is_gone():
     workspace.clear()
-    first = workspace.empty((512, 1024), torch.float32)
+    first = workspace.empty((8192, 1100), torch.float32)  # over 32 MiB: pooled whether or not glibc was tuned
     first.fill_(1.0)
     view = first[3:]
     del first
-    second = workspace.empty((512, 1024), torch.float32)
+    second = workspace.empty((8192, 1100), torch.float32)
     assert _ptr(second) != _ptr(view), "a view keeps the storage in use"
     assert bool((view == 1.0).all())
     address = _ptr(view)
     del view
-    third = workspace.empty((512, 1000), torch.float32)
+    third = workspace.empty((8192, 1080), torch.float32)
     assert _ptr(third) == address, "a released storage of the same size class is reused"
-    assert third.shape == (512, 1000) and third.is_contiguous()
+    assert third.shape == (8192, 1080) and third.is_contiguous()
 
 
 def test_small_and_non_float_requests_work():
     small = workspace.empty((4, 4), torch.float32)
     assert small.shape == (4, 4)
-    big = workspace.empty((1024, 1024), torch.bfloat16)
-    assert big.dtype == torch.bfloat16 and big.numel() == 1024 * 1024
-    assert workspace.held_bytes() >= 2 * 1024 * 1024
+    big = workspace.empty((4096, 4096), torch.bfloat16)
+    assert big.dtype == torch.bfloat16 and big.numel() == 4096 * 4096
+    assert workspace.held_bytes() >= 32 * 1024 * 1024
     workspace.clear()
     assert workspace.held_bytes() == 0
+
+
+def test_requests_below_32_mib_go_to_glibc_once_it_keeps_freed_chunks():
+    """With glibc tuned (kept chunks up to 32 MiB), mid-sized requests skip the pool, which would cost more per call."""
+    workspace.clear()
+    mid = workspace.empty((1024, 1024), torch.float32)  # 4 MiB
+    assert mid.shape == (1024, 1024)
+    if workspace._tune_malloc():
+        assert workspace.held_bytes() == 0, "a 4 MiB request was pooled although glibc keeps such chunks"
+    else:
+        assert workspace.held_bytes() >= 4 * 1024 * 1024
