@@ -10,8 +10,10 @@ Given the logits l, the gates g = softmax(l) and the kept choices of every token
     l_aux    = E * sum_e f_e * mean_s g[s, e]      (f [E] a constant: counts, see moe.balancing)
     z_loss   = mean_s logsumexp(l[s])^2
 
-The forward computes these with the same torch ops, in the same order, as the plain autograd form,
-so routing and every loss value are bit for bit what they were. The backward is written out:
+The forward computes the weights and l_aux with the same torch ops, in the same order, as the plain
+autograd form, so routing and those values are bit for bit what they were; the z-loss takes
+logsumexp(l[s]) = l[s, j] - log g[s, j] at the token's largest gate j (equal to rounding, and
+without a logsumexp pass). The backward is written out:
 
     G_g[s, e] = sum_{j: e(s, j) = e} G_w'[s, j] + G_aux * E * f_e / S
     G_l[s, e] = g[s, e] * (G_g[s, e] - sum_e' g[s, e'] G_g[s, e'] + G_z * 2 * lse[s] / S)
@@ -29,7 +31,7 @@ __all__ = ["gate_outputs"]
 
 class _GateOutputs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits_SE, gates_SE, expert_SK, frac_E, renormalize, scaling):
+    def forward(ctx, logits_SE, gates_SE, expert_SK, frac_E, renormalize, scaling, top_S):
         S, num_experts = gates_SE.shape
         kept_SK = expert_SK >= 0
         index_SK = expert_SK.clamp(min=0)
@@ -46,7 +48,8 @@ class _GateOutputs(torch.autograd.Function):
             l_aux = gates_SE.new_zeros(())
         else:
             l_aux = num_experts * torch.sum(gates_SE.mean(0) * frac_E)
-        lse_S = torch.logsumexp(logits_SE, dim=1)
+        top_S1 = top_S.unsqueeze(1)  # lse = l_j - log g_j for any j; the largest gate keeps log g_j in [-log E, 0]
+        lse_S = (logits_SE.gather(1, top_S1) - gates_SE.gather(1, top_S1).log()).squeeze(1)
         z_loss = lse_S.square().mean() if S else logits_SE.new_zeros(())
         ctx.renormalize, ctx.scaling = renormalize, scaling
         ctx.save_for_backward(gates_SE, index_SK, kept_SK, weight_SK, denom_S1, passes_S1, frac_E, lse_S)
@@ -72,11 +75,11 @@ class _GateOutputs(torch.autograd.Function):
         if S:
             dot_S1 -= (grad_z_loss * 2.0 / S) * lse_S.unsqueeze(1)
         grad_logits_SE = gates_SE * (grad_SE - dot_S1)
-        return grad_logits_SE, None, None, None, None, None
+        return grad_logits_SE, None, None, None, None, None, None
 
 
 def gate_outputs(logits_SE: torch.Tensor, gates_SE: torch.Tensor, expert_SK: torch.Tensor, frac_E: torch.Tensor | None,
-                 renormalize: bool, scaling: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 renormalize: bool, scaling: float, top_S: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Combine weights, balance loss and z-loss of a softmax routing, differentiable to the logits.
 
     Args:
@@ -87,8 +90,11 @@ def gate_outputs(logits_SE: torch.Tensor, gates_SE: torch.Tensor, expert_SK: tor
             None: l_aux is 0 and carries no gradient.
         renormalize: divide each token's kept weights by their sum (at least eps).
         scaling: a factor on every weight.
+        top_S: int64 index of a largest gate per token, [S] (the first choice of the policies without
+            noise): logsumexp(l) = l_j - log(gates_j) there, exact to rounding, so the z-loss costs no
+            logsumexp pass of its own.
 
     Returns:
         weight_SK [S, K], l_aux (a scalar), z_loss (a scalar), in the logits' dtype.
     """
-    return _GateOutputs.apply(logits_SE, gates_SE.detach(), expert_SK, frac_E, renormalize, scaling)
+    return _GateOutputs.apply(logits_SE, gates_SE.detach(), expert_SK, frac_E, renormalize, scaling, top_S)

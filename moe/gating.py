@@ -151,14 +151,14 @@ def _plan(
 
 def _softmax_plan(
     logits, gates_SE, expert_SK, slot_SK, resolve_capacity, exp_counts, max_rows: int, renormalize: bool,
-    balance: dict, balance_expert_SK, own_fraction, scaling: float = 1.0,
+    balance: dict, balance_expert_SK, own_fraction, top_S, scaling: float = 1.0,
 ) -> Routing:
     """The plan of a softmax routing; weights, l_aux and z_loss reach the logits through one autograd
     node (moe.gate_outputs), or through plain autograd for seq_aux_loss (an f per sequence).
 
     gates_SE is softmax(logits) without autograd; balance holds load_balancing_type, seq_len and
     global_counts; balance_expert_SK are the choices the balance counts (before any drop);
-    own_fraction gives the policy's f for aux_loss.
+    own_fraction gives the policy's f for aux_loss; top_S the index of a largest gate per token.
     """
     load_balancing_type = balance["load_balancing_type"]
     if load_balancing_type == "seq_aux_loss":
@@ -170,7 +170,7 @@ def _softmax_plan(
                               global_counts=balance["global_counts"], default=own_fraction)
     kept_SK = slot_SK >= 0
     expert_SK = torch.where(kept_SK, expert_SK, -1)
-    weight_SK, l_aux, z_loss = gate_outputs(logits, gates_SE, expert_SK, frac_E, renormalize, scaling)
+    weight_SK, l_aux, z_loss = gate_outputs(logits, gates_SE, expert_SK, frac_E, renormalize, scaling, top_S)
     return Routing(
         expert_idx_SK=expert_SK, slot_SK=torch.where(kept_SK, slot_SK, -1), weight_SK=weight_SK,
         resolve_capacity=resolve_capacity, num_experts=gates_SE.shape[1], l_aux=l_aux,
@@ -212,8 +212,9 @@ def top1gating(
     _check_policy(noisy_gate_policy)
     logits = _check_logits(logits, 1)
     gates_SE = F.softmax(logits.detach(), dim=1)
-    scores = logits.detach() + _gumbel_like(logits) if noisy_gate_policy == "RSample" else gates_SE
-    choice_S = _mask_unused(_argmax(scores), used_token)
+    top_S = _argmax(gates_SE)
+    choice_S = _mask_unused(_argmax(logits.detach() + _gumbel_like(logits)) if noisy_gate_policy == "RSample" else top_S,
+                            used_token)
     num_experts = logits.shape[1]
     exp_counts = choice_counts(choice_S, num_experts)
     capacity = _capacity(logits, 1, capacity_factor, min_capacity, drop_tokens)
@@ -223,7 +224,7 @@ def top1gating(
     return _softmax_plan(
         logits, gates_SE, choice_S.unsqueeze(1), slot_S.unsqueeze(1), _resolver(capacity, exp_counts, ep_group),
         exp_counts, _max_rows(capacity, logits.shape[0], 1, num_experts), False, balance, choice_S.unsqueeze(1),
-        lambda: _own_fraction(exp_counts, logits.shape[0], 1, logits.dtype),
+        lambda: _own_fraction(exp_counts, logits.shape[0], 1, logits.dtype), top_S,
     )
 
 
@@ -269,7 +270,7 @@ def top2gating(
     return _softmax_plan(  # DeepSpeed's aux_loss counts the first choices only
         logits, gates_SE, expert_SK, slot_SK, _resolver(capacity, exp_counts, ep_group), exp_counts,
         _max_rows(capacity, S, 2, num_experts), True, balance, expert_SK,
-        lambda: _own_fraction(choice_counts(expert_SK.select(1, 0), num_experts), S, 1, logits.dtype),
+        lambda: _own_fraction(choice_counts(expert_SK.select(1, 0), num_experts), S, 1, logits.dtype), first_S,
     )
 
 
@@ -361,8 +362,10 @@ def topkgating(
         select_SE = _limit_groups(select_SE, n_group, topk_group)
     if expert_bias is None and n_group is None:
         expert_SK = torch.topk(scores_SE, k, dim=1).indices  # DeepSpeed's selection, ties as torch.topk takes them
+        top_S = expert_SK[:, 0]  # a largest score, for the z-loss (moe.gate_outputs)
     else:
         expert_SK = _stable_topk(select_SE, k)
+        top_S = _argmax(scores_SE)
     top_score_SK = scores_SE.detach().gather(1, expert_SK)
     if used_token is not None:
         used_S = _mask_unused(expert_SK.select(1, 0), used_token) >= 0
@@ -376,7 +379,7 @@ def topkgating(
     if softmax:
         balance = {"load_balancing_type": load_balancing_type, "seq_len": seq_len, "global_counts": global_counts}
         return _softmax_plan(logits, scores_SE, expert_SK, slot_SK, resolve, exp_counts, max_rows, norm_topk_prob,
-                             balance, expert_SK, own_fraction, routed_scaling_factor)
+                             balance, expert_SK, own_fraction, top_S, routed_scaling_factor)
     probs_SE = normalized_scores(scores_SE, scoring_func)
     l_aux = balance_loss(
         load_balancing_type, probs_SE, expert_SK, seq_len=seq_len, global_counts=global_counts,
