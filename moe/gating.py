@@ -265,7 +265,8 @@ def top2gating(
         expert_SK = torch.where(used_S.unsqueeze(1), expert_SK, -1)
     exp_counts = choice_counts(expert_SK.reshape(-1), num_experts)
     capacity = _capacity(logits, 2, capacity_factor, min_capacity, drop_tokens)
-    slot_SK = assign_slots(expert_SK.t().reshape(-1), num_experts, _slots_capacity(capacity, logits, 2)).view(2, S).t()
+    slot_P = assign_slots(expert_SK.t().reshape(-1), num_experts, _slots_capacity(capacity, logits, 2))
+    slot_SK = slot_P.view(2, S).t().contiguous()  # row-major like every [S, K] of the plan: no copies downstream
     balance = {"load_balancing_type": load_balancing_type, "seq_len": seq_len, "global_counts": global_counts}
     return _softmax_plan(  # DeepSpeed's aux_loss counts the first choices only
         logits, gates_SE, expert_SK, slot_SK, _resolver(capacity, exp_counts, ep_group), exp_counts,
