@@ -111,7 +111,7 @@ def _expert_positions_by_cumsum(expert_P: torch.Tensor, num_experts: int) -> tup
     routed = expert_P >= 0
     bucket_P = torch.where(routed, expert_P, num_experts)  # unrouted choices count in a spare bucket
     buckets = torch.arange(num_experts + 1, device=expert_P.device).unsqueeze(1)
-    running_BP = (bucket_P.unsqueeze(0) == buckets).to(torch.int32).cumsum(1, dtype=torch.int32)
+    running_BP = (bucket_P.unsqueeze(0) == buckets).cumsum(1, dtype=torch.int32)
     position_P = running_BP.gather(0, bucket_P.unsqueeze(0)).squeeze(0).long() - 1
     counts_E = running_BP[:num_experts, -1].long() if expert_P.numel() else bucket_P.new_zeros(num_experts)
     return counts_E, torch.where(routed, position_P, -1)

@@ -256,8 +256,8 @@ def top2gating(
     S, num_experts = logits.shape
     gates_SE = F.softmax(logits.detach(), dim=1)
     first_S = _argmax(gates_SE)
-    scores = logits.detach() + _gumbel_like(logits) if top2_2nd_expert_sampling else logits.detach()
-    scores = scores.scatter(1, first_S.unsqueeze(1), float("-inf"))
+    scores = _gumbel_like(logits).add_(logits.detach()) if top2_2nd_expert_sampling else logits.detach().clone()
+    scores.scatter_(1, first_S.unsqueeze(1), float("-inf"))  # a fresh tensor either way: no second copy
     second_S = _argmax(scores)
     expert_SK = torch.stack([first_S, second_S], 1)
     if used_token is not None:
