@@ -266,7 +266,9 @@ def top2gating(
     exp_counts = choice_counts(expert_SK.reshape(-1), num_experts)
     capacity = _capacity(logits, 2, capacity_factor, min_capacity, drop_tokens)
     slot_P = assign_slots(expert_SK.t().reshape(-1), num_experts, _slots_capacity(capacity, logits, 2))
-    slot_SK = slot_P.view(2, S).t().contiguous()  # row-major like every [S, K] of the plan: no copies downstream
+    # row-major like every [S, K] of the plan, so no later reshape copies it (clone, not contiguous(),
+    # which fails on fake CUDA tensors of a CPU-only torch build: the simulated GPU world)
+    slot_SK = slot_P.view(2, S).t().clone(memory_format=torch.contiguous_format)
     balance = {"load_balancing_type": load_balancing_type, "seq_len": seq_len, "global_counts": global_counts}
     return _softmax_plan(  # DeepSpeed's aux_loss counts the first choices only
         logits, gates_SE, expert_SK, slot_SK, _resolver(capacity, exp_counts, ep_group), exp_counts,
@@ -363,7 +365,7 @@ def topkgating(
         select_SE = _limit_groups(select_SE, n_group, topk_group)
     if expert_bias is None and n_group is None:
         expert_SK = torch.topk(scores_SE, k, dim=1).indices  # DeepSpeed's selection, ties as torch.topk takes them
-        top_S = expert_SK[:, 0]  # a largest score, for the z-loss (moe.gate_outputs)
+        top_S = expert_SK.select(1, 0)  # a largest score, for the z-loss (moe.gate_outputs)
     else:
         expert_SK = _stable_topk(select_SE, k)
         top_S = _argmax(scores_SE)
