@@ -118,6 +118,8 @@ def balance_loss(
     Raises:
         ValueError: seq_aux_loss without a seq_len that divides S.
     """
+    if load_balancing_type not in LOAD_BALANCING_TYPES:
+        raise ValueError(f"load_balancing_type must be one of {LOAD_BALANCING_TYPES}, got {load_balancing_type!r}")
     if load_balancing_type == "seq_aux_loss":
         if not seq_len or probs_SE.shape[0] % seq_len:
             raise ValueError(

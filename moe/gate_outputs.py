@@ -11,7 +11,8 @@ Given the logits l, the gates g = softmax(l) and the kept choices of every token
     z_loss   = mean_s logsumexp(l[s])^2
 
 The forward computes the weights and l_aux with the same torch ops, in the same order, as the plain
-autograd form, so routing and those values are bit for bit what they were; the z-loss takes
+autograd form, so routing and those values are bit for bit what they were (for a batch of no
+tokens l_aux is now 0, where the DeepSpeed form gave NaN); the z-loss takes
 logsumexp(l[s]) = l[s, j] - log g[s, j] at the token's largest gate j (equal to rounding, and
 without a logsumexp pass). The backward is written out:
 
@@ -50,6 +51,7 @@ class _GateOutputs(torch.autograd.Function):
             denom_S1 = total_S1.clamp(min=torch.finfo(weight_SK.dtype).eps)
             weight_SK = weight_SK / denom_S1
             passes_S1 = total_S1 >= torch.finfo(weight_SK.dtype).eps  # where the clamp lets gradient through
+        unscaled_SK = weight_SK  # the backward's renormalisation term, without dividing by the scaling
         if scaling != 1.0:
             weight_SK = weight_SK * scaling
         if frac_E is None or S == 0:
@@ -60,7 +62,7 @@ class _GateOutputs(torch.autograd.Function):
         lse_S = (logits_SE.gather(1, top_S1) - gates_SE.gather(1, top_S1).log()).squeeze(1)
         z_loss = lse_S.square().mean() if S else logits_SE.new_zeros(())
         ctx.renormalize, ctx.scaling = renormalize, scaling
-        ctx.save_for_backward(gates_SE, index_SK, kept_SK, weight_SK, denom_S1, passes_S1, frac_E, lse_S)
+        ctx.save_for_backward(gates_SE, index_SK, kept_SK, unscaled_SK, denom_S1, passes_S1, frac_E, lse_S)
         if frac_E is None:
             ctx.mark_non_differentiable(l_aux)
         return weight_SK, l_aux, z_loss
@@ -68,13 +70,11 @@ class _GateOutputs(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_weight_SK, grad_l_aux, grad_z_loss):
-        gates_SE, index_SK, kept_SK, weight_SK, denom_S1, passes_S1, frac_E, lse_S = ctx.saved_tensors
+        gates_SE, index_SK, kept_SK, unscaled_SK, denom_S1, passes_S1, frac_E, lse_S = ctx.saved_tensors
         S, num_experts = gates_SE.shape
         grad_SK = grad_weight_SK * ctx.scaling if ctx.scaling != 1.0 else grad_weight_SK
         if ctx.renormalize:  # w = r / d with d = max(sum r, eps): dw/dr = (G - sum_j G_j w_j [d passed]) / d
-            through_S1 = _row_sum(grad_SK * weight_SK)
-            if ctx.scaling != 1.0:
-                through_S1 = through_S1 / ctx.scaling  # weight_SK holds the scaled weights
+            through_S1 = _row_sum(grad_SK * unscaled_SK)
             grad_SK = (grad_SK - through_S1 * passes_S1) / denom_S1
         grad_SE = torch.zeros_like(gates_SE).scatter_add_(1, index_SK, grad_SK * kept_SK)
         if frac_E is not None and S:

@@ -33,7 +33,7 @@ def _choices(S, E, K, generator):
 
 
 @pytest.mark.parametrize("K, renormalize, scaling, with_aux", [
-    (1, False, 1.0, True), (2, True, 1.0, True), (3, True, 2.5, False), (2, False, 0.5, True),
+    (1, False, 1.0, True), (2, True, 1.0, True), (3, True, 2.5, False), (2, False, 0.5, True), (2, True, 0.0, True),
 ])
 def test_values_equal_and_gradients_match_plain_autograd(K, renormalize, scaling, with_aux):
     generator = torch.Generator().manual_seed(K)
