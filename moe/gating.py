@@ -14,7 +14,6 @@ weight normalisation and scaling; and every policy takes a `load_balancing_type`
 """
 
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
