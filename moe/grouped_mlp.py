@@ -3,7 +3,7 @@
 Shape legend: N packed rows (sorted by expert, no padding), M model dim, H expert hidden dim,
 L local experts.
 
-Two implementations, equal up to the order of fp32 sums:
+Three implementations, equal up to the order of fp32 sums:
 - per expert: one autograd function runs each expert's products on its rows, so empty capacity
   slots cost nothing; large temporaries (activations, their gradients) live in the CPU workspace and
   the products write into them (`kernels.gemm` picks each product's CPU backend by measurement);
@@ -11,20 +11,31 @@ Two implementations, equal up to the order of fp32 sums:
   and its backward run once over every row, between the loops of products: one call per expert
   was 0.4 ms slower per layer and step at 8 experts of [~1000, 256] on a 2-core AMD EPYC.
 - grouped: one grouped GEMM per layer for all experts (`kernels.grouped_gemm`).
-On the CPU with `use_grouped_gemm=None` the two are timed on the first batch of each shape class and
-the faster is kept (see `kernels.gemm`). The backward is first-order only.
+- concurrent (CPU): the per-expert work with experts side by side on single-threaded workers
+  (`kernels.threads`), BLAS products. On a 2-core AMD EPYC, forward+backward of the MLP alone at
+  64 experts of [~256, 512] x [512, 2048] took 1770 against 1919 ms per expert, at 16 experts of
+  [~1024, 512] x [512, 2048] 1427 against 1527 ms (medians of alternating runs); offered only for
+  large layers (see CONCURRENT_FROM).
+On the CPU with `use_grouped_gemm=None` the candidates are timed on the first batch of each shape
+class and the fastest is kept (see `kernels.gemm`). The backward is first-order only.
 """
 
 import torch
 import torch.nn.functional as F
 
-from kernels import gemm, workspace
+from kernels import gemm, threads, workspace
 from kernels import grouped_mm, grouped_mm_t
 from kernels.grouped_gemm import runs_natively
 
 __all__ = ["ACTIVATIONS", "grouped_mlp"]
 
 ACTIVATIONS = ("relu", "gelu", "silu", "tanh", "sigmoid")
+# multiply-adds of the first product from which the concurrent plan is a candidate: while the workers
+# run, the caller's idle OpenMP threads spin for a while (libgomp's default wait policy), which costs
+# a few ms per layer call; at the GPT recipe's 8 experts of [~1024, 128] x [128, 256] (2^28) the plan
+# measured faster alone but made the training step 4% slower, at 64 experts of [~256, 512] x [512, 2048]
+# (2^34) it made the layer 6% faster
+CONCURRENT_FROM = 1 << 32
 
 
 _ACTIVATION_FUNCTIONS = {
@@ -142,6 +153,81 @@ class _PerExpertMLP(torch.autograd.Function):
         return grad_x_NM, grad_w1, grad_b1, grad_w2, grad_b2, None, None
 
 
+class _ConcurrentMLP(torch.autograd.Function):
+    """The per-expert MLP with experts run side by side on single-threaded CPU workers (kernels.threads).
+
+    Each expert's products, activation and bias sums are one work item; the largest experts start first.
+    Products use BLAS (torch's mm/addmm into the workspace's rows), the same on every worker.
+    """
+
+    @staticmethod
+    def forward(ctx, x_NM, weight1, bias1, weight2, bias2, counts, activation):
+        name, approximate = activation
+        keep_h = name in _NEEDS_INPUT
+        N, H, M_out = x_NM.shape[0], weight1.shape[1], weight2.shape[1]
+        a_NH = workspace.empty((N, H), x_NM.dtype, x_NM.device)
+        h_NH = workspace.empty((N, H), x_NM.dtype, x_NM.device) if keep_h else a_NH
+        y_NM = workspace.empty((N, M_out), x_NM.dtype, x_NM.device)
+        w1, w2, b1, b2 = (_per_expert(p, weight1.shape[0]) for p in (weight1, weight2, bias1, bias2))
+        x_e, h_e, a_e, y_e = (t.split(counts) for t in (x_NM, h_NH, a_NH, y_NM))
+
+        def expert(e):
+            _linear(x_e[e], w1[e], b1[e], h_e[e])
+            _activate(name, approximate, h_e[e], a_e[e])
+            _linear(a_e[e], w2[e], b2[e], y_e[e])
+
+        threads.run_each(expert, _largest_first(counts))
+        ctx.counts, ctx.activation, ctx.has_bias = counts, activation, bias1 is not None
+        ctx.save_for_backward(x_NM, weight1, weight2, a_NH, *([h_NH] if keep_h else []))
+        return y_NM
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_y_NM):
+        x_NM, weight1, weight2, a_NH, *kept = ctx.saved_tensors
+        h_NH = kept[0] if kept else None
+        name, approximate = ctx.activation
+        grad_y_NM = grad_y_NM.contiguous()
+        grad_h_NH = workspace.empty_like(a_NH)
+        grad_x_NM = workspace.empty_like(x_NM)
+        w1, w2 = weight1.unbind(0), weight2.unbind(0)
+        grad_w1, grad_w2 = _grad_like(weight1, ctx.counts), _grad_like(weight2, ctx.counts)
+        grad_b1 = _grad_like(weight1.new_empty(weight1.shape[:2]), ctx.counts) if ctx.has_bias else None
+        grad_b2 = _grad_like(weight2.new_empty(weight2.shape[:2]), ctx.counts) if ctx.has_bias else None
+        counts = ctx.counts
+        grad_y_e, grad_h_e, grad_x_e, x_e, a_e = (t.split(counts) for t in (grad_y_NM, grad_h_NH, grad_x_NM, x_NM, a_NH))
+        h_e = h_NH.split(counts) if h_NH is not None else (None,) * len(counts)
+        grad_w1_e, grad_w2_e = grad_w1.unbind(0), grad_w2.unbind(0)
+        grad_b1_e, grad_b2_e = (None, None) if grad_b1 is None else (grad_b1.unbind(0), grad_b2.unbind(0))
+
+        def expert(e):
+            grad_y, grad_h = grad_y_e[e], grad_h_e[e]
+            torch.mm(grad_y, w2[e], out=grad_h)
+            _activation_backward(name, approximate, grad_h, h_e[e], a_e[e], grad_h)
+            torch.mm(grad_h, w1[e], out=grad_x_e[e])
+            torch.mm(grad_y.t(), a_e[e], out=grad_w2_e[e])
+            torch.mm(grad_h.t(), x_e[e], out=grad_w1_e[e])
+            if grad_b1_e is not None:
+                torch.sum(grad_y, 0, out=grad_b2_e[e])
+                torch.sum(grad_h, 0, out=grad_b1_e[e])
+
+        threads.run_each(expert, _largest_first(counts))
+        return grad_x_NM, grad_w1, grad_b1, grad_w2, grad_b2, None, None
+
+
+def _linear(x, w, b, out) -> None:
+    """out = x w^T (+ b) with torch's BLAS product."""
+    if b is None:
+        torch.mm(x, w.t(), out=out)
+    else:
+        torch.addmm(b, x, w.t(), out=out)
+
+
+def _largest_first(counts: list[int]) -> list[int]:
+    """The experts with rows, the most rows first (ties by index)."""
+    return sorted(_nonempty(counts), key=lambda e: -counts[e])
+
+
 class _GroupedGemmMLP(torch.autograd.Function):
     """The same MLP with a grouped GEMM (kernels.grouped_gemm): one product per layer for all experts."""
 
@@ -210,7 +296,8 @@ def grouped_mlp(
 
     With use_grouped_gemm=True every layer is one grouped product over all experts (kernels.grouped_gemm:
     torch's grouped GEMM, a Triton kernel or a loop); with False, products per expert; with None, on
-    the CPU, whichever of the two was measured faster for this shape class (per expert elsewhere).
+    the CPU, whichever plan (per expert, grouped, experts side by side on worker threads) was measured
+    fastest for this shape class (per expert elsewhere).
 
     Args:
         x_NM: packed rows, shape [N, M], expert 0's rows first.
@@ -237,21 +324,37 @@ def grouped_mlp(
         raise ValueError(f"counts {counts} must have {weight1.shape[0]} entries summing to {x_NM.shape[0]}")
     if torch.compiler.is_compiling() and not isinstance(counts, torch.Tensor):
         return _traced_mlp(x_NM, weight1, bias1, weight2, bias2, counts, activation, approximate)
-    if use_grouped_gemm is None:
-        use_grouped_gemm = _grouped_is_faster(x_NM, weight1, bias1, weight2, bias2, counts, (activation, approximate))
-    if use_grouped_gemm:
-        return _GroupedGemmMLP.apply(x_NM, weight1, bias1, weight2, bias2, counts, (activation, approximate))
-    return _PerExpertMLP.apply(x_NM, weight1, bias1, weight2, bias2, counts, (activation, approximate))
+    plan = ("grouped" if use_grouped_gemm else "per_expert") if use_grouped_gemm is not None else \
+        _measured_plan(x_NM, weight1, bias1, weight2, bias2, counts, (activation, approximate))
+    return _PLANS[plan].apply(x_NM, weight1, bias1, weight2, bias2, counts, (activation, approximate))
 
 
-def _grouped_is_faster(x_NM, weight1, bias1, weight2, bias2, counts: list[int], activation: tuple) -> bool:
-    """Whether the grouped GEMM beat products per expert on this forward+backward, each run on the
-    actual operands, timed once per shape class on the CPU (kernels.gemm): products alone would
-    mislead, since per expert the bias is added to rows still in cache."""
+_PLANS = {"per_expert": _PerExpertMLP, "grouped": _GroupedGemmMLP, "concurrent": _ConcurrentMLP}
+
+
+def _measured_plan(x_NM, weight1, bias1, weight2, bias2, counts: list[int], activation: tuple) -> str:
+    """The plan that ran this forward+backward fastest, each candidate run on the actual operands, timed
+    once per shape class on the CPU (kernels.gemm); per expert elsewhere and for small layers.
+
+    Candidates: per expert; the grouped GEMM where torch runs it natively; experts side by side on
+    single-threaded workers where torch has more than one thread and the layer is large (CONCURRENT_FROM).
+    Products alone would mislead, since per expert the bias is added to rows still in cache.
+    """
     L, H, M = weight1.shape
-    if (x_NM.device.type != "cpu" or not gemm.measuring(x_NM.dtype) or not runs_natively(x_NM, weight1)
+    if (x_NM.device.type != "cpu" or not gemm.measuring(x_NM.dtype)
             or not gemm.worth_measuring(x_NM.shape[0] * (M * H + H * weight2.shape[1]))):
-        return False
+        return "per_expert"
+    candidates = ["per_expert"]
+    if runs_natively(x_NM, weight1):
+        candidates.append("grouped")
+    if threads.workers() > 1 and x_NM.shape[0] * M * H >= CONCURRENT_FROM:
+        candidates.append("concurrent")
+    if len(candidates) == 1:
+        return "per_expert"
+    key = gemm.shape_key("mlp", x_NM.shape[0], (L, M, H, weight2.shape[1]), x_NM.dtype, bias1)
+    if torch.is_inference_mode_enabled():  # no backward can run to be timed: a kept choice, else per expert
+        kept = gemm.choices().get(key)
+        return kept if kept in candidates else "per_expert"
     inputs = [t.detach().requires_grad_() for t in (x_NM, weight1, bias1, weight2, bias2) if t is not None]
 
     def forward_backward(function):
@@ -263,8 +366,4 @@ def _grouped_is_faster(x_NM, weight1, bias1, weight2, bias2, counts: list[int], 
                 torch.autograd.grad(y_NM, inputs, y_NM.detach())
         return run
 
-    key = gemm.shape_key("mlp", x_NM.shape[0], (L, M, H, weight2.shape[1]), x_NM.dtype, bias1)
-    if torch.is_inference_mode_enabled():  # no backward can run to be timed: a kept choice, else per expert
-        return gemm.choices().get(key) == "grouped"
-    runs = {"per_expert": forward_backward(_PerExpertMLP), "grouped": forward_backward(_GroupedGemmMLP)}
-    return gemm.choose(key, runs) == "grouped"
+    return gemm.choose(key, {name: forward_backward(_PLANS[name]) for name in candidates})

@@ -1,0 +1,182 @@
+"""Experts side by side on single-threaded CPU workers (kernels.threads, the MLP's concurrent plan).
+
+The plan is compared with plain torch autograd on per-expert F.linear products: float64 at 1e-10
+(only the order of sums differs), fp32 at 1e-5; two runs of the plan give bitwise equal results.
+"""
+
+import threading
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels import threads
+from moe import grouped_mlp as grouped_mlp_module
+from moe.grouped_mlp import ACTIVATIONS, _ACTIVATION_FUNCTIONS, _ConcurrentMLP, grouped_mlp
+
+TOLERANCES = {torch.float64: dict(rtol=1e-10, atol=1e-10), torch.float32: dict(rtol=1e-5, atol=1e-5)}
+
+
+@pytest.fixture
+def two_threads():
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_every_item_runs_once_on_single_threaded_workers_while_the_caller_keeps_its_threads(two_threads):
+    seen, lock = [], threading.Lock()
+
+    def work(item):
+        with lock:
+            seen.append((item, torch.get_num_threads(), threading.current_thread() is threading.main_thread()))
+
+    threads.run_each(work, range(7))
+    assert sorted(item for item, _, _ in seen) == list(range(7))
+    assert {count for _, count, _ in seen} == {1}
+    assert not any(on_main for _, _, on_main in seen)
+    assert torch.get_num_threads() == 2
+    counts = []  # a thread started afterwards still gets the process's count, not the workers' one
+    later = threading.Thread(target=lambda: counts.append(torch.get_num_threads()))
+    later.start()
+    later.join()
+    assert counts == [2]
+
+
+def test_a_new_thread_count_makes_a_new_pool(two_threads):
+    threads.run_each(lambda item: None, range(2))
+    torch.set_num_threads(3)
+    seen = []
+    threads.run_each(lambda item: seen.append(torch.get_num_threads()), range(5))
+    assert seen == [1] * 5 and threads.workers() == 3 and torch.get_num_threads() == 3
+
+
+def test_workers_follow_the_callers_grad_mode(two_threads):
+    modes = []
+    with torch.no_grad():
+        threads.run_each(lambda item: modes.append(torch.is_grad_enabled()), range(4))
+    threads.run_each(lambda item: modes.append(torch.is_grad_enabled()), range(4))
+    assert modes == [False] * 4 + [True] * 4
+
+
+def test_an_error_in_one_item_is_raised_after_the_others_ran(two_threads):
+    done = []
+
+    def work(item):
+        if item == 2:
+            raise ValueError("item 2")
+        done.append(item)
+
+    with pytest.raises(ValueError, match="item 2"):
+        threads.run_each(work, range(6))
+    assert sorted(done) == [0, 1, 3, 4, 5]
+
+
+def test_one_thread_runs_the_items_in_the_caller():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        callers = []
+        threads.run_each(lambda item: callers.append(threading.current_thread() is threading.main_thread()), range(3))
+        assert callers == [True] * 3
+    finally:
+        torch.set_num_threads(before)
+
+
+def _reference(x, w1, b1, w2, b2, counts, activation):
+    outputs = []
+    for e, rows in enumerate(x.split(counts)):
+        h = F.linear(rows, w1[e], None if b1 is None else b1[e])
+        outputs.append(F.linear(_ACTIVATION_FUNCTIONS[activation](h, "none"), w2[e], None if b2 is None else b2[e]))
+    return torch.cat(outputs)
+
+
+def _operands(dtype, bias, counts, M=12, H=20, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    L, N = len(counts), sum(counts)
+    tensors = [torch.randn(N, M, generator=g), torch.randn(L, H, M, generator=g) / 4,
+               torch.randn(L, H, generator=g) if bias else None, torch.randn(L, M, H, generator=g) / 4,
+               torch.randn(L, M, generator=g) if bias else None]
+    return [None if t is None else t.to(dtype).requires_grad_() for t in tensors]
+
+
+def _forward_backward(function, operands, counts, activation, seed=1):
+    y = function(*operands, counts, activation)
+    grad_y = torch.randn(y.shape, generator=torch.Generator().manual_seed(seed), dtype=y.dtype)
+    leaves = [t for t in operands if t is not None]
+    return [y.detach()] + list(torch.autograd.grad(y, leaves, grad_y))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("bias", [True, False])
+def test_the_concurrent_plan_matches_autograd(two_threads, dtype, activation, bias):
+    counts = [9, 0, 17, 3, 0, 11]  # uneven, with experts that got no rows
+    operands = _operands(dtype, bias, counts)
+    got = _forward_backward(lambda *a: _ConcurrentMLP.apply(*a[:6], (a[6], "none")), operands, counts, activation)
+    want = _forward_backward(_reference, operands, counts, activation)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, **TOLERANCES[dtype])
+    L = len(counts)
+    for grad in got[2:]:  # weight and bias gradients of experts without rows are zero, not stale
+        if grad.shape[0] == L:
+            assert not grad[1].any() and not grad[4].any()
+
+
+def test_the_concurrent_plan_is_bitwise_repeatable(two_threads):
+    counts = [300, 41, 0, 257, 129, 77, 513, 2]
+    operands = _operands(torch.float32, True, counts, M=64, H=96)
+
+    def run():
+        return _forward_backward(lambda *a: _ConcurrentMLP.apply(*a[:6], (a[6], "none")), operands, counts, "gelu")
+
+    first = run()
+    for _ in range(3):
+        for a, b in zip(first, run()):
+            assert torch.equal(a, b)
+
+
+def test_grouped_mlp_with_no_rows_at_all(two_threads):
+    counts = [0, 0, 0]
+    operands = _operands(torch.float32, True, counts)
+    y = _ConcurrentMLP.apply(*operands, counts, ("gelu", "none"))
+    assert y.shape == (0, 12)
+    y.sum().backward()
+    assert not operands[1].grad.any()
+
+
+def test_grouped_mlp_validates_counts_before_any_plan():
+    operands = _operands(torch.float32, True, [2, 3])
+    with pytest.raises(ValueError, match="counts"):
+        grouped_mlp(operands[0], *operands[1:], [2, 2], "gelu", use_grouped_gemm=None)
+
+
+def test_the_measured_plan_offers_and_runs_experts_side_by_side(two_threads, monkeypatch):
+    from kernels import gemm
+
+    if not gemm.measuring(torch.float32):
+        pytest.skip("this torch build has no oneDNN linear: products always use BLAS, no plan is measured")
+    offered = []
+
+    def choose(key, runs):
+        if key.startswith("mlp|"):
+            offered.append(sorted(runs))
+            return "concurrent"
+        return next(iter(runs))
+
+    monkeypatch.setattr(gemm, "choose", choose)
+    monkeypatch.setattr(gemm, "MEASURE_FROM", 0)
+    monkeypatch.setattr(grouped_mlp_module, "CONCURRENT_FROM", 0)
+    counts = [7, 13, 0, 5]
+    operands = _operands(torch.float32, True, counts)
+    got = _forward_backward(lambda *a: grouped_mlp(*a[:6], a[6], use_grouped_gemm=None), operands, counts, "silu")
+    want = _forward_backward(_reference, operands, counts, "silu")
+    assert offered and all("concurrent" in runs and "per_expert" in runs for runs in offered)
+    offered.clear()
+    monkeypatch.setattr(grouped_mlp_module, "CONCURRENT_FROM", 1 << 40)  # a small layer: not offered
+    gemm.clear()
+    _forward_backward(lambda *a: grouped_mlp(*a[:6], a[6], use_grouped_gemm=None), operands, counts, "silu")
+    assert all("concurrent" not in runs for runs in offered)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, **TOLERANCES[torch.float32])
