@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from kernels import gemm, grouped_mm, grouped_mm_t, workspace
+from kernels import gemm, grouped_mm, grouped_mm_t, threads, workspace
 from moe import MoE
 from recipes.cli import flag_parser
 from recipes.training import cpu_name
@@ -120,8 +120,8 @@ def expert_matmuls(counts: list[int], cfg: BenchConfig, device, ours: bool):
     """The experts' products of one forward+backward, alone, as each layer issues them.
 
     Ours: per expert through `kernels.gemm` into preallocated outputs, with the backends the layer's
-    products were measured to use (or one grouped GEMM per product when the layer chose that), without
-    the layer's activations and sums around them.
+    products were measured to use (or one grouped GEMM per product, or experts side by side on worker
+    threads, when the layer chose that plan), without the layer's activations and sums around them.
     DeepSpeed's: torch's default products (F.linear forward, mm backward) per expert on the full
     capacity buffer, as autograd runs nn.Linear.
     """
@@ -144,6 +144,19 @@ def expert_matmuls(counts: list[int], cfg: BenchConfig, device, ours: bool):
                 gemm.linear_tn(gy[rows], a[rows], out=gw2[e])
                 gemm.linear_tn(gh[rows], x[rows], out=gw1[e])
 
+    def run_concurrent():  # experts side by side on single-threaded workers, BLAS products
+        def expert(item):
+            e, rows = item
+            torch.mm(x[rows], w1[e].t(), out=h[rows])
+            torch.mm(a[rows], w2[e].t(), out=y[rows])
+            torch.mm(gy[rows], w2[e], out=ga[rows])
+            torch.mm(gh[rows], w1[e], out=gx[rows])
+            torch.mm(gy[rows].t(), a[rows], out=gw2[e])
+            torch.mm(gh[rows].t(), x[rows], out=gw1[e])
+
+        threads.run_each(expert, sorted(((e, rows) for e, rows in experts if rows.stop > rows.start),
+                                        key=lambda item: item[1].start - item[1].stop))
+
     def run_grouped():
         grouped_mm(x, w1.transpose(1, 2), counts)
         grouped_mm(a, w2.transpose(1, 2), counts)
@@ -164,7 +177,8 @@ def expert_matmuls(counts: list[int], cfg: BenchConfig, device, ours: bool):
 
     if not ours:
         return run_deepspeed
-    return run_grouped if "grouped" in chosen_backends() else run_ours
+    plans = chosen_backends()
+    return run_grouped if "mlp:grouped" in plans else run_concurrent if "mlp:concurrent" in plans else run_ours
 
 
 def chosen_backends() -> str:
