@@ -35,8 +35,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-__all__ = ["BACKENDS", "MEASURE_FROM", "PIECE_ROWS", "adopt", "choices", "choose", "clear", "cpu_model", "linear",
-           "linear_tn", "measuring", "shape_key", "worth_measuring"]
+__all__ = ["BACKENDS", "MEASURE_FROM", "PIECE_ROWS", "adopt", "choices", "choose", "class_rows", "clear", "cpu_model",
+           "kept", "linear", "linear_tn", "measuring", "shape_key", "worth_measuring"]
 
 BACKENDS = ("blas", "onednn")
 PIECE_ROWS = 32
@@ -162,7 +162,7 @@ def choose(key: str, runs: dict) -> str:
 def shape_key(kind: str, n: int, widths: tuple, dtype: torch.dtype, *operands) -> str:
     """A shape class: `kind`, N rounded up to a power of two, the widths, dtype and operand layouts."""
     layouts = "".join(map(_layout_code, operands))
-    return f"{kind}|{1 << _rows_class(n)}|{'x'.join(map(str, widths))}|{_DTYPE_NAMES[dtype]}|{layouts}"
+    return f"{kind}|{class_rows(n)}|{'x'.join(map(str, widths))}|{_DTYPE_NAMES[dtype]}|{layouts}"
 
 
 def _rows_class(n: int) -> int:
@@ -247,6 +247,17 @@ def linear_tn(a_NP: torch.Tensor, b_NQ: torch.Tensor, out: torch.Tensor | None =
     backend = _backend("linear_tn", n, (width_p, width_q), a_NP.dtype, (a_NP, b_NQ), n * width_p * width_q,
                        lambda name: _LINEAR_TN[name](a_NP, b_NQ, out))
     return _LINEAR_TN[backend](a_NP, b_NQ, out)
+
+
+def kept(key: str) -> str | None:
+    """The choice kept for the shape class `key` (made here, adopted or read from the cache file), or None."""
+    _load()
+    return _choices.get(key)
+
+
+def class_rows(n: int) -> int:
+    """N rounded up to a power of two, as a shape class counts rows."""
+    return 1 << _rows_class(n)
 
 
 def choices() -> dict[str, str]:

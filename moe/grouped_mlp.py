@@ -13,9 +13,9 @@ Three implementations, equal up to the order of fp32 sums:
 - grouped: one grouped GEMM per layer for all experts (`kernels.grouped_gemm`).
 - concurrent (CPU): the per-expert work with experts side by side on single-threaded workers
   (`kernels.threads`), BLAS products. On a 2-core AMD EPYC, forward+backward of the MLP alone at
-  64 experts of [~256, 512] x [512, 2048] took 1770 against 1919 ms per expert, at 16 experts of
-  [~1024, 512] x [512, 2048] 1427 against 1527 ms (medians of alternating runs); offered only for
-  large layers (see CONCURRENT_FROM).
+  64 experts of [~256, 512] x [512, 2048] took 1770 ms against the per-expert plan's 1919, at 16
+  experts of [~1024, 512] x [512, 2048] 1427 against 1527 ms (medians of alternating runs); offered
+  only for large layers (see CONCURRENT_FROM).
 On the CPU with `use_grouped_gemm=None` the candidates are timed on the first batch of each shape
 class and the fastest is kept (see `kernels.gemm`). The backward is first-order only.
 """
@@ -344,17 +344,18 @@ def _measured_plan(x_NM, weight1, bias1, weight2, bias2, counts: list[int], acti
     if (x_NM.device.type != "cpu" or not gemm.measuring(x_NM.dtype)
             or not gemm.worth_measuring(x_NM.shape[0] * (M * H + H * weight2.shape[1]))):
         return "per_expert"
-    candidates = ["per_expert"]
-    if runs_natively(x_NM, weight1):
-        candidates.append("grouped")
-    if threads.workers() > 1 and x_NM.shape[0] * M * H >= CONCURRENT_FROM:
-        candidates.append("concurrent")
-    if len(candidates) == 1:
-        return "per_expert"
     key = gemm.shape_key("mlp", x_NM.shape[0], (L, M, H, weight2.shape[1]), x_NM.dtype, bias1)
-    if torch.is_inference_mode_enabled():  # no backward can run to be timed: a kept choice, else per expert
-        kept = gemm.choices().get(key)
-        return kept if kept in candidates else "per_expert"
+    native = runs_natively(x_NM, weight1)
+    kept = gemm.kept(key)
+    if kept in _PLANS and (kept != "grouped" or native):  # kept: it stands (concurrent runs on any thread count)
+        return kept
+    # the candidates depend on the shape class only (its rows, not this batch's), so every batch of a
+    # class is offered the same plans and a choice once made is never measured again
+    candidates = ["per_expert"] + ["grouped"] * native
+    if threads.workers() > 1 and gemm.class_rows(x_NM.shape[0]) * M * H >= CONCURRENT_FROM:
+        candidates.append("concurrent")
+    if len(candidates) == 1 or torch.is_inference_mode_enabled():  # inference: no backward can run to be timed
+        return "per_expert"
     inputs = [t.detach().requires_grad_() for t in (x_NM, weight1, bias1, weight2, bias2) if t is not None]
 
     def forward_backward(function):

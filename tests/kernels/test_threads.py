@@ -10,11 +10,20 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import threads
+from kernels import gemm, threads, workspace
 from moe import grouped_mlp as grouped_mlp_module
 from moe.grouped_mlp import ACTIVATIONS, _ACTIVATION_FUNCTIONS, _ConcurrentMLP, grouped_mlp
 
 TOLERANCES = {torch.float64: dict(rtol=1e-10, atol=1e-10), torch.float32: dict(rtol=1e-5, atol=1e-5)}
+
+
+@pytest.fixture(autouse=True)
+def _fresh_choices(monkeypatch):
+    monkeypatch.delenv("MOE_CPU_GEMM", raising=False)
+    monkeypatch.delenv("MOE_CPU_GEMM_CACHE", raising=False)
+    gemm.clear()
+    yield
+    gemm.clear()
 
 
 @pytest.fixture
@@ -47,17 +56,37 @@ def test_every_item_runs_once_on_single_threaded_workers_while_the_caller_keeps_
 def test_a_new_thread_count_makes_a_new_pool(two_threads):
     threads.run_each(lambda item: None, range(2))
     torch.set_num_threads(3)
+    together = threading.Barrier(3, timeout=10)  # passes only if three workers run at once
     seen = []
-    threads.run_each(lambda item: seen.append(torch.get_num_threads()), range(5))
-    assert seen == [1] * 5 and threads.workers() == 3 and torch.get_num_threads() == 3
+
+    def work(item):
+        together.wait()
+        seen.append(torch.get_num_threads())
+
+    threads.run_each(work, range(3))
+    assert seen == [1] * 3 and threads.workers() == 3 and torch.get_num_threads() == 3
 
 
-def test_workers_follow_the_callers_grad_mode(two_threads):
+def test_workers_follow_the_callers_grad_and_inference_modes(two_threads):
     modes = []
+
+    def work(item):
+        modes.append((torch.is_grad_enabled(), torch.is_inference_mode_enabled()))
+
     with torch.no_grad():
-        threads.run_each(lambda item: modes.append(torch.is_grad_enabled()), range(4))
-    threads.run_each(lambda item: modes.append(torch.is_grad_enabled()), range(4))
-    assert modes == [False] * 4 + [True] * 4
+        threads.run_each(work, range(4))
+    threads.run_each(work, range(4))
+    with torch.inference_mode():
+        threads.run_each(work, range(4))
+    assert modes == [(False, False)] * 4 + [(True, False)] * 4 + [(False, True)] * 4
+
+
+def test_the_concurrent_plan_runs_under_inference_mode(two_threads):
+    counts = [5, 0, 9]
+    operands = [t.detach() if t is not None else None for t in _operands(torch.float32, True, counts)]
+    with torch.inference_mode():
+        got = _ConcurrentMLP.apply(*operands, counts, ("gelu", "none"))
+    torch.testing.assert_close(got, _reference(*operands, counts, "gelu"), **TOLERANCES[torch.float32])
 
 
 def test_an_error_in_one_item_is_raised_after_the_others_ran(two_threads):
@@ -111,7 +140,10 @@ def _forward_backward(function, operands, counts, activation, seed=1):
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("activation", ACTIVATIONS)
 @pytest.mark.parametrize("bias", [True, False])
-def test_the_concurrent_plan_matches_autograd(two_threads, dtype, activation, bias):
+def test_the_concurrent_plan_matches_autograd(two_threads, dtype, activation, bias, monkeypatch):
+    # buffers start as NaN: a row or gradient the plan does not write shows
+    monkeypatch.setattr(workspace, "empty", lambda shape, dtype, device="cpu": torch.full(shape, float("nan"), dtype=dtype))
+    monkeypatch.setattr(workspace, "empty_like", lambda t: torch.full_like(t, float("nan")))
     counts = [9, 0, 17, 3, 0, 11]  # uneven, with experts that got no rows
     operands = _operands(dtype, bias, counts)
     got = _forward_backward(lambda *a: _ConcurrentMLP.apply(*a[:6], (a[6], "none")), operands, counts, activation)
@@ -121,7 +153,7 @@ def test_the_concurrent_plan_matches_autograd(two_threads, dtype, activation, bi
     L = len(counts)
     for grad in got[2:]:  # weight and bias gradients of experts without rows are zero, not stale
         if grad.shape[0] == L:
-            assert not grad[1].any() and not grad[4].any()
+            assert torch.equal(grad[1], torch.zeros_like(grad[1])) and torch.equal(grad[4], torch.zeros_like(grad[4]))
 
 
 def test_the_concurrent_plan_is_bitwise_repeatable(two_threads):
@@ -137,7 +169,7 @@ def test_the_concurrent_plan_is_bitwise_repeatable(two_threads):
             assert torch.equal(a, b)
 
 
-def test_grouped_mlp_with_no_rows_at_all(two_threads):
+def test_the_concurrent_plan_with_no_rows_at_all(two_threads):
     counts = [0, 0, 0]
     operands = _operands(torch.float32, True, counts)
     y = _ConcurrentMLP.apply(*operands, counts, ("gelu", "none"))
@@ -153,18 +185,18 @@ def test_grouped_mlp_validates_counts_before_any_plan():
 
 
 def test_the_measured_plan_offers_and_runs_experts_side_by_side(two_threads, monkeypatch):
-    from kernels import gemm
-
     if not gemm.measuring(torch.float32):
         pytest.skip("this torch build has no oneDNN linear: products always use BLAS, no plan is measured")
-    offered = []
+    offered, ran = [], []
 
     def choose(key, runs):
         if key.startswith("mlp|"):
             offered.append(sorted(runs))
-            return "concurrent"
+            return "concurrent" if "concurrent" in runs else "per_expert"
         return next(iter(runs))
 
+    real_run_each = threads.run_each
+    monkeypatch.setattr(threads, "run_each", lambda work, items: ran.append(1) or real_run_each(work, items))
     monkeypatch.setattr(gemm, "choose", choose)
     monkeypatch.setattr(gemm, "MEASURE_FROM", 0)
     monkeypatch.setattr(grouped_mlp_module, "CONCURRENT_FROM", 0)
@@ -172,11 +204,40 @@ def test_the_measured_plan_offers_and_runs_experts_side_by_side(two_threads, mon
     operands = _operands(torch.float32, True, counts)
     got = _forward_backward(lambda *a: grouped_mlp(*a[:6], a[6], use_grouped_gemm=None), operands, counts, "silu")
     want = _forward_backward(_reference, operands, counts, "silu")
-    assert offered and all("concurrent" in runs and "per_expert" in runs for runs in offered)
-    offered.clear()
-    monkeypatch.setattr(grouped_mlp_module, "CONCURRENT_FROM", 1 << 40)  # a small layer: not offered
-    gemm.clear()
-    _forward_backward(lambda *a: grouped_mlp(*a[:6], a[6], use_grouped_gemm=None), operands, counts, "silu")
-    assert all("concurrent" not in runs for runs in offered)
+    assert offered and all("concurrent" in runs and "per_expert" in runs for runs in offered) and ran
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, **TOLERANCES[torch.float32])
+
+    offered.clear(), ran.clear(), gemm.clear()
+    monkeypatch.setattr(grouped_mlp_module, "CONCURRENT_FROM", 1 << 40)  # a small layer: not offered
+    _forward_backward(lambda *a: grouped_mlp(*a[:6], a[6], use_grouped_gemm=None), operands, counts, "silu")
+    assert not ran and all("concurrent" not in runs for runs in offered)
+
+
+def test_a_kept_plan_stands_for_every_batch_of_its_class(two_threads, monkeypatch):
+    """The offer depends on the class's rows: a batch just under the threshold keeps the class's choice."""
+    if not gemm.measuring(torch.float32):
+        pytest.skip("this torch build has no oneDNN linear: products always use BLAS, no plan is measured")
+    monkeypatch.setattr(gemm, "MEASURE_FROM", 0)
+    M, H = 12, 20
+    monkeypatch.setattr(grouped_mlp_module, "CONCURRENT_FROM", 32 * M * H)  # 32 rows and more: offered
+    measured = []
+
+    def choose(key, runs):
+        measured.append(key)
+        return "concurrent" if key.startswith("mlp|") else next(iter(runs))
+
+    monkeypatch.setattr(gemm, "choose", choose)
+    monkeypatch.setattr(gemm, "_choices", {})
+    for counts in ([16, 16], [15, 14]):  # 32 rows, then 29 rows of the same class (32)
+        operands = _operands(torch.float32, True, counts, M=M, H=H)
+        if not measured:
+            _forward_backward(lambda *a: grouped_mlp(*a[:6], a[6], use_grouped_gemm=None), operands, counts, "gelu")
+            gemm._choices.update({key: "concurrent" for key in measured if key.startswith("mlp|")})
+            continue
+        ran = []
+        real_run_each = threads.run_each
+        monkeypatch.setattr(threads, "run_each", lambda work, items: ran.append(1) or real_run_each(work, items))
+        _forward_backward(lambda *a: grouped_mlp(*a[:6], a[6], use_grouped_gemm=None), operands, counts, "gelu")
+        assert ran, "the second batch of the class did not run the kept concurrent plan"
+    assert sum(key.startswith("mlp|") for key in measured) == 1
