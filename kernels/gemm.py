@@ -44,9 +44,10 @@ MEASURE_FROM = 1 << 22  # multiply-adds: smaller products take the first listed 
 _ONEDNN_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16",
                 torch.float64: "float64"}
-_ROUNDS = 3  # timed calls per backend, after one warm-up call each
-_ROUND_SECONDS = 0.5  # ... fewer when a call takes longer than a third of this, but never fewer than
-_MIN_ROUNDS = 2  # (a single timing on a shared machine picks at random between candidates 5% apart)
+# timed calls per candidate, alternating, after one warm-up call each; the least of three, also for
+# calls of seconds (a layer's plan): one timing on a shared machine picks at random between candidates
+# 5% apart
+_ROUNDS = 3
 _choices: dict[str, str] = {}
 _fast: dict[tuple, str] = {}  # the hot path's index of _choices, by the parts of the key
 _loaded_from: str | None = None
@@ -125,15 +126,11 @@ _LINEAR_TN = {"blas": _linear_tn_blas, "onednn": _linear_tn_onednn}
 # --- the choice ---------------------------------------------------------------------------------
 
 def _measure(runs: dict) -> str:
-    """The name in `runs` whose call took the least time: each called once to warm up, then alternately
-    (fewer rounds for long calls, down to two: their timings vary less)."""
-    slowest = 0.0
+    """The name in `runs` whose call took the least time: each called once to warm up, then alternately."""
     for run in runs.values():
-        start = time.perf_counter()
         run()
-        slowest = max(slowest, time.perf_counter() - start)
     best = dict.fromkeys(runs, float("inf"))
-    for _ in range(max(_MIN_ROUNDS, min(_ROUNDS, int(_ROUND_SECONDS / max(slowest, 1e-9))))):
+    for _ in range(_ROUNDS):
         for name, run in runs.items():
             start = time.perf_counter()
             run()
