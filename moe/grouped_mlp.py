@@ -20,6 +20,8 @@ On the CPU with `use_grouped_gemm=None` the candidates are timed on the first ba
 class and the fastest is kept (see `kernels.gemm`). The backward is first-order only.
 """
 
+from types import SimpleNamespace
+
 import torch
 import torch.nn.functional as F
 
@@ -96,17 +98,53 @@ def _per_expert(param: torch.Tensor | None, num_experts: int) -> tuple:
     return (None,) * num_experts if param is None else param.unbind(0)
 
 
+def _forward_buffers(x_NM, weight1, weight2, name: str) -> tuple:
+    """The forward's workspace buffers h_NH (pre-activation), a_NH (activation) and y_NM; h_NH is a_NH
+    itself (activated in place) when the activation's backward needs only its output."""
+    N, H, M_out = x_NM.shape[0], weight1.shape[1], weight2.shape[1]
+    a_NH = workspace.empty((N, H), x_NM.dtype, x_NM.device)
+    h_NH = workspace.empty((N, H), x_NM.dtype, x_NM.device) if name in _NEEDS_INPUT else a_NH
+    return h_NH, a_NH, workspace.empty((N, M_out), x_NM.dtype, x_NM.device)
+
+
+def _save(ctx, x_NM, weight1, weight2, h_NH, a_NH, counts, activation, has_bias: bool) -> None:
+    ctx.counts, ctx.activation, ctx.has_bias = counts, activation, has_bias
+    ctx.save_for_backward(x_NM, weight1, weight2, a_NH, *([h_NH] if h_NH is not a_NH else []))
+
+
+def _backward_buffers(ctx, grad_y_NM) -> SimpleNamespace:
+    """The backward's saved tensors and gradient buffers, whole and as each expert's rows (`*_e`).
+
+    Weight and bias gradients are zero for experts that got no rows; the rest is written by the products.
+    """
+    x_NM, weight1, weight2, a_NH, *kept = ctx.saved_tensors
+    counts = ctx.counts
+    b = SimpleNamespace(x_NM=x_NM, weight1=weight1, weight2=weight2, a_NH=a_NH, h_NH=kept[0] if kept else None,
+                        grad_y_NM=grad_y_NM.contiguous(), grad_h_NH=workspace.empty_like(a_NH),
+                        grad_x_NM=workspace.empty_like(x_NM), grad_w1=_grad_like(weight1, counts),
+                        grad_w2=_grad_like(weight2, counts), grad_b1=None, grad_b2=None)
+    if ctx.has_bias:
+        b.grad_b1 = _grad_like(weight1.new_empty(weight1.shape[:2]), counts)
+        b.grad_b2 = _grad_like(weight2.new_empty(weight2.shape[:2]), counts)
+    # each expert's rows as views made in one call per tensor: the loops issue products, not slicing
+    b.grad_y_e, b.grad_h_e, b.grad_x_e, b.x_e, b.a_e = (
+        t.split(counts) for t in (b.grad_y_NM, b.grad_h_NH, b.grad_x_NM, x_NM, a_NH))
+    b.h_e = b.h_NH.split(counts) if b.h_NH is not None else (None,) * len(counts)
+    b.grad_w1_e, b.grad_w2_e = b.grad_w1.unbind(0), b.grad_w2.unbind(0)
+    b.grad_b1_e, b.grad_b2_e = (None, None) if b.grad_b1 is None else (b.grad_b1.unbind(0), b.grad_b2.unbind(0))
+    return b
+
+
+def _gradients(b: SimpleNamespace) -> tuple:
+    return b.grad_x_NM, b.grad_w1, b.grad_b1, b.grad_w2, b.grad_b2, None, None
+
+
 class _PerExpertMLP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_NM, weight1, bias1, weight2, bias2, counts, activation):
         name, approximate = activation
-        keep_h = name in _NEEDS_INPUT
-        N, H, M_out = x_NM.shape[0], weight1.shape[1], weight2.shape[1]
-        a_NH = workspace.empty((N, H), x_NM.dtype, x_NM.device)
-        h_NH = workspace.empty((N, H), x_NM.dtype, x_NM.device) if keep_h else a_NH  # else activated in place
-        y_NM = workspace.empty((N, M_out), x_NM.dtype, x_NM.device)
+        h_NH, a_NH, y_NM = _forward_buffers(x_NM, weight1, weight2, name)
         w1, w2, b1, b2 = (_per_expert(p, weight1.shape[0]) for p in (weight1, weight2, bias1, bias2))
-        # each expert's rows as views made in one call per tensor: the loop issues products, not slicing
         x_e, h_e, a_e, y_e = (t.split(counts) for t in (x_NM, h_NH, a_NH, y_NM))
         experts = _nonempty(counts)
         for e in experts:
@@ -114,8 +152,7 @@ class _PerExpertMLP(torch.autograd.Function):
         _activate(name, approximate, h_NH, a_NH)  # one call for every row: faster than one per expert
         for e in experts:
             gemm.linear(a_e[e], w2[e], b2[e], out=y_e[e])
-        ctx.counts, ctx.activation, ctx.has_bias = counts, activation, bias1 is not None
-        ctx.save_for_backward(x_NM, weight1, weight2, a_NH, *([h_NH] if keep_h else []))
+        _save(ctx, x_NM, weight1, weight2, h_NH, a_NH, counts, activation, bias1 is not None)
         return y_NM
 
     @staticmethod
@@ -124,33 +161,21 @@ class _PerExpertMLP(torch.autograd.Function):
         # per expert grad_a = grad_y W2 (into grad_h's rows); grad_h = act'(.) * grad_a in place, for
         # every row at once; per expert grad_x = grad_h W1, the weight gradients (reductions over the
         # expert's rows) and the biases
-        x_NM, weight1, weight2, a_NH, *kept = ctx.saved_tensors
-        h_NH = kept[0] if kept else None
-        name, approximate = ctx.activation
-        grad_y_NM = grad_y_NM.contiguous()
-        grad_h_NH = workspace.empty_like(a_NH)
-        grad_x_NM = workspace.empty_like(x_NM)
-        w1_t, w2_t = weight1.transpose(1, 2).unbind(0), weight2.transpose(1, 2).unbind(0)
-        grad_w1, grad_w2 = _grad_like(weight1, ctx.counts), _grad_like(weight2, ctx.counts)
-        grad_b1 = _grad_like(weight1.new_empty(weight1.shape[:2]), ctx.counts) if ctx.has_bias else None
-        grad_b2 = _grad_like(weight2.new_empty(weight2.shape[:2]), ctx.counts) if ctx.has_bias else None
-        counts = ctx.counts
-        grad_y_e, grad_h_e, grad_x_e, x_e, a_e = (t.split(counts) for t in (grad_y_NM, grad_h_NH, grad_x_NM, x_NM, a_NH))
-        grad_w1_e, grad_w2_e = grad_w1.unbind(0), grad_w2.unbind(0)
-        grad_b1_e, grad_b2_e = (None, None) if grad_b1 is None else (grad_b1.unbind(0), grad_b2.unbind(0))
-        experts = _nonempty(counts)
+        b = _backward_buffers(ctx, grad_y_NM)
+        w1_t, w2_t = b.weight1.transpose(1, 2).unbind(0), b.weight2.transpose(1, 2).unbind(0)
+        experts = _nonempty(ctx.counts)
         for e in experts:
-            gemm.linear(grad_y_e[e], w2_t[e], out=grad_h_e[e])
-        _activation_backward(name, approximate, grad_h_NH, h_NH, a_NH, grad_h_NH)
+            gemm.linear(b.grad_y_e[e], w2_t[e], out=b.grad_h_e[e])
+        _activation_backward(*ctx.activation, b.grad_h_NH, b.h_NH, b.a_NH, b.grad_h_NH)
         for e in experts:
-            grad_y, grad_h = grad_y_e[e], grad_h_e[e]
-            gemm.linear(grad_h, w1_t[e], out=grad_x_e[e])
-            gemm.linear_tn(grad_y, a_e[e], out=grad_w2_e[e])
-            gemm.linear_tn(grad_h, x_e[e], out=grad_w1_e[e])
+            grad_y, grad_h = b.grad_y_e[e], b.grad_h_e[e]
+            gemm.linear(grad_h, w1_t[e], out=b.grad_x_e[e])
+            gemm.linear_tn(grad_y, b.a_e[e], out=b.grad_w2_e[e])
+            gemm.linear_tn(grad_h, b.x_e[e], out=b.grad_w1_e[e])
             if ctx.has_bias:
-                torch.sum(grad_y, 0, out=grad_b2_e[e])
-                torch.sum(grad_h, 0, out=grad_b1_e[e])
-        return grad_x_NM, grad_w1, grad_b1, grad_w2, grad_b2, None, None
+                torch.sum(grad_y, 0, out=b.grad_b2_e[e])
+                torch.sum(grad_h, 0, out=b.grad_b1_e[e])
+        return _gradients(b)
 
 
 class _ConcurrentMLP(torch.autograd.Function):
@@ -163,11 +188,7 @@ class _ConcurrentMLP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_NM, weight1, bias1, weight2, bias2, counts, activation):
         name, approximate = activation
-        keep_h = name in _NEEDS_INPUT
-        N, H, M_out = x_NM.shape[0], weight1.shape[1], weight2.shape[1]
-        a_NH = workspace.empty((N, H), x_NM.dtype, x_NM.device)
-        h_NH = workspace.empty((N, H), x_NM.dtype, x_NM.device) if keep_h else a_NH
-        y_NM = workspace.empty((N, M_out), x_NM.dtype, x_NM.device)
+        h_NH, a_NH, y_NM = _forward_buffers(x_NM, weight1, weight2, name)
         w1, w2, b1, b2 = (_per_expert(p, weight1.shape[0]) for p in (weight1, weight2, bias1, bias2))
         x_e, h_e, a_e, y_e = (t.split(counts) for t in (x_NM, h_NH, a_NH, y_NM))
 
@@ -177,42 +198,28 @@ class _ConcurrentMLP(torch.autograd.Function):
             _linear(a_e[e], w2[e], b2[e], y_e[e])
 
         threads.run_each(expert, _largest_first(counts))
-        ctx.counts, ctx.activation, ctx.has_bias = counts, activation, bias1 is not None
-        ctx.save_for_backward(x_NM, weight1, weight2, a_NH, *([h_NH] if keep_h else []))
+        _save(ctx, x_NM, weight1, weight2, h_NH, a_NH, counts, activation, bias1 is not None)
         return y_NM
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_y_NM):
-        x_NM, weight1, weight2, a_NH, *kept = ctx.saved_tensors
-        h_NH = kept[0] if kept else None
-        name, approximate = ctx.activation
-        grad_y_NM = grad_y_NM.contiguous()
-        grad_h_NH = workspace.empty_like(a_NH)
-        grad_x_NM = workspace.empty_like(x_NM)
-        w1, w2 = weight1.unbind(0), weight2.unbind(0)
-        grad_w1, grad_w2 = _grad_like(weight1, ctx.counts), _grad_like(weight2, ctx.counts)
-        grad_b1 = _grad_like(weight1.new_empty(weight1.shape[:2]), ctx.counts) if ctx.has_bias else None
-        grad_b2 = _grad_like(weight2.new_empty(weight2.shape[:2]), ctx.counts) if ctx.has_bias else None
-        counts = ctx.counts
-        grad_y_e, grad_h_e, grad_x_e, x_e, a_e = (t.split(counts) for t in (grad_y_NM, grad_h_NH, grad_x_NM, x_NM, a_NH))
-        h_e = h_NH.split(counts) if h_NH is not None else (None,) * len(counts)
-        grad_w1_e, grad_w2_e = grad_w1.unbind(0), grad_w2.unbind(0)
-        grad_b1_e, grad_b2_e = (None, None) if grad_b1 is None else (grad_b1.unbind(0), grad_b2.unbind(0))
+        b = _backward_buffers(ctx, grad_y_NM)
+        w1, w2 = b.weight1.unbind(0), b.weight2.unbind(0)
 
         def expert(e):
-            grad_y, grad_h = grad_y_e[e], grad_h_e[e]
+            grad_y, grad_h = b.grad_y_e[e], b.grad_h_e[e]
             torch.mm(grad_y, w2[e], out=grad_h)
-            _activation_backward(name, approximate, grad_h, h_e[e], a_e[e], grad_h)
-            torch.mm(grad_h, w1[e], out=grad_x_e[e])
-            torch.mm(grad_y.t(), a_e[e], out=grad_w2_e[e])
-            torch.mm(grad_h.t(), x_e[e], out=grad_w1_e[e])
-            if grad_b1_e is not None:
-                torch.sum(grad_y, 0, out=grad_b2_e[e])
-                torch.sum(grad_h, 0, out=grad_b1_e[e])
+            _activation_backward(*ctx.activation, grad_h, b.h_e[e], b.a_e[e], grad_h)
+            torch.mm(grad_h, w1[e], out=b.grad_x_e[e])
+            torch.mm(grad_y.t(), b.a_e[e], out=b.grad_w2_e[e])
+            torch.mm(grad_h.t(), b.x_e[e], out=b.grad_w1_e[e])
+            if ctx.has_bias:
+                torch.sum(grad_y, 0, out=b.grad_b2_e[e])
+                torch.sum(grad_h, 0, out=b.grad_b1_e[e])
 
-        threads.run_each(expert, _largest_first(counts))
-        return grad_x_NM, grad_w1, grad_b1, grad_w2, grad_b2, None, None
+        threads.run_each(expert, _largest_first(ctx.counts))
+        return _gradients(b)
 
 
 def _linear(x, w, b, out) -> None:
