@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 __all__ = ["BACKENDS", "MEASURE_FROM", "PIECE_ROWS", "adopt", "choices", "choose", "class_rows", "clear", "cpu_model",
-           "kept", "linear", "linear_tn", "measuring", "shape_key", "worth_measuring"]
+           "kept", "linear", "linear_blas", "linear_tn", "linear_tn_blas", "measuring", "shape_key", "worth_measuring"]
 
 BACKENDS = ("blas", "onednn")
 PIECE_ROWS = 32
@@ -86,7 +86,8 @@ def _cut(n: int) -> list[slice]:
 
 # --- the backends -------------------------------------------------------------------------------
 
-def _linear_blas(x, w, b, out):
+def linear_blas(x, w, b=None, out=None):
+    """x @ w^T (+ b) with torch's BLAS product, whatever was measured (the concurrent plan's products)."""
     if out is None:
         return F.linear(x, w, b)
     if b is None:
@@ -105,7 +106,8 @@ def _linear_onednn(x, w, b, out):
     return out
 
 
-def _linear_tn_blas(a, b, out):
+def linear_tn_blas(a, b, out=None):
+    """a^T @ b with torch's BLAS product."""
     return torch.mm(a.t(), b) if out is None else torch.mm(a.t(), b, out=out)
 
 
@@ -119,8 +121,8 @@ def _linear_tn_onednn(a, b, out):
     return torch.add(products[0], products[1], out=out)
 
 
-_LINEAR = {"blas": _linear_blas, "onednn": _linear_onednn}
-_LINEAR_TN = {"blas": _linear_tn_blas, "onednn": _linear_tn_onednn}
+_LINEAR = {"blas": linear_blas, "onednn": _linear_onednn}
+_LINEAR_TN = {"blas": linear_tn_blas, "onednn": _linear_tn_onednn}
 
 
 # --- the choice ---------------------------------------------------------------------------------
@@ -222,7 +224,7 @@ def linear(x_NI: torch.Tensor, w_OI: torch.Tensor, b_O: torch.Tensor | None = No
         The product, shape [N, O] (`out` when given).
     """
     if not _cpu_product(x_NI):
-        return _linear_blas(x_NI, w_OI, b_O, out)
+        return linear_blas(x_NI, w_OI, b_O, out)
     (n, width_in), width_out = x_NI.shape, w_OI.shape[0]
     backend = _backend("linear", n, (width_in, width_out), x_NI.dtype, (x_NI, w_OI, b_O), n * width_in * width_out,
                        lambda name: _LINEAR[name](x_NI, w_OI, b_O, out))
@@ -239,7 +241,7 @@ def linear_tn(a_NP: torch.Tensor, b_NQ: torch.Tensor, out: torch.Tensor | None =
         The product, shape [P, Q] (`out` when given).
     """
     if not _cpu_product(a_NP):
-        return _linear_tn_blas(a_NP, b_NQ, out)
+        return linear_tn_blas(a_NP, b_NQ, out)
     (n, width_p), width_q = a_NP.shape, b_NQ.shape[1]
     backend = _backend("linear_tn", n, (width_p, width_q), a_NP.dtype, (a_NP, b_NQ), n * width_p * width_q,
                        lambda name: _LINEAR_TN[name](a_NP, b_NQ, out))

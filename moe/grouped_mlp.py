@@ -135,6 +135,17 @@ def _backward_buffers(ctx, grad_y_NM) -> SimpleNamespace:
     return b
 
 
+def _expert_gradients(b: SimpleNamespace, e: int, w1_t, has_bias: bool, linear, linear_tn) -> None:
+    """Expert e's input, weight and bias gradients from its grad_h rows (activation backward done)."""
+    grad_y, grad_h = b.grad_y_e[e], b.grad_h_e[e]
+    linear(grad_h, w1_t[e], None, b.grad_x_e[e])
+    linear_tn(grad_y, b.a_e[e], b.grad_w2_e[e])
+    linear_tn(grad_h, b.x_e[e], b.grad_w1_e[e])
+    if has_bias:
+        torch.sum(grad_y, 0, out=b.grad_b2_e[e])
+        torch.sum(grad_h, 0, out=b.grad_b1_e[e])
+
+
 def _gradients(b: SimpleNamespace) -> tuple:
     return b.grad_x_NM, b.grad_w1, b.grad_b1, b.grad_w2, b.grad_b2, None, None
 
@@ -165,16 +176,10 @@ class _PerExpertMLP(torch.autograd.Function):
         w1_t, w2_t = b.weight1.transpose(1, 2).unbind(0), b.weight2.transpose(1, 2).unbind(0)
         experts = _nonempty(ctx.counts)
         for e in experts:
-            gemm.linear(b.grad_y_e[e], w2_t[e], out=b.grad_h_e[e])
+            gemm.linear(b.grad_y_e[e], w2_t[e], None, b.grad_h_e[e])
         _activation_backward(*ctx.activation, b.grad_h_NH, b.h_NH, b.a_NH, b.grad_h_NH)
         for e in experts:
-            grad_y, grad_h = b.grad_y_e[e], b.grad_h_e[e]
-            gemm.linear(grad_h, w1_t[e], out=b.grad_x_e[e])
-            gemm.linear_tn(grad_y, b.a_e[e], out=b.grad_w2_e[e])
-            gemm.linear_tn(grad_h, b.x_e[e], out=b.grad_w1_e[e])
-            if ctx.has_bias:
-                torch.sum(grad_y, 0, out=b.grad_b2_e[e])
-                torch.sum(grad_h, 0, out=b.grad_b1_e[e])
+            _expert_gradients(b, e, w1_t, ctx.has_bias, gemm.linear, gemm.linear_tn)
         return _gradients(b)
 
 
@@ -193,9 +198,9 @@ class _ConcurrentMLP(torch.autograd.Function):
         x_e, h_e, a_e, y_e = (t.split(counts) for t in (x_NM, h_NH, a_NH, y_NM))
 
         def expert(e):
-            _linear(x_e[e], w1[e], b1[e], h_e[e])
+            gemm.linear_blas(x_e[e], w1[e], b1[e], h_e[e])
             _activate(name, approximate, h_e[e], a_e[e])
-            _linear(a_e[e], w2[e], b2[e], y_e[e])
+            gemm.linear_blas(a_e[e], w2[e], b2[e], y_e[e])
 
         threads.run_each(expert, _largest_first(counts))
         _save(ctx, x_NM, weight1, weight2, h_NH, a_NH, counts, activation, bias1 is not None)
@@ -205,29 +210,15 @@ class _ConcurrentMLP(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_y_NM):
         b = _backward_buffers(ctx, grad_y_NM)
-        w1, w2 = b.weight1.unbind(0), b.weight2.unbind(0)
+        w1_t, w2_t = b.weight1.transpose(1, 2).unbind(0), b.weight2.transpose(1, 2).unbind(0)
 
         def expert(e):
-            grad_y, grad_h = b.grad_y_e[e], b.grad_h_e[e]
-            torch.mm(grad_y, w2[e], out=grad_h)
-            _activation_backward(*ctx.activation, grad_h, b.h_e[e], b.a_e[e], grad_h)
-            torch.mm(grad_h, w1[e], out=b.grad_x_e[e])
-            torch.mm(grad_y.t(), b.a_e[e], out=b.grad_w2_e[e])
-            torch.mm(grad_h.t(), b.x_e[e], out=b.grad_w1_e[e])
-            if ctx.has_bias:
-                torch.sum(grad_y, 0, out=b.grad_b2_e[e])
-                torch.sum(grad_h, 0, out=b.grad_b1_e[e])
+            gemm.linear_blas(b.grad_y_e[e], w2_t[e], None, b.grad_h_e[e])
+            _activation_backward(*ctx.activation, b.grad_h_e[e], b.h_e[e], b.a_e[e], b.grad_h_e[e])
+            _expert_gradients(b, e, w1_t, ctx.has_bias, gemm.linear_blas, gemm.linear_tn_blas)
 
         threads.run_each(expert, _largest_first(ctx.counts))
         return _gradients(b)
-
-
-def _linear(x, w, b, out) -> None:
-    """out = x w^T (+ b) with torch's BLAS product."""
-    if b is None:
-        torch.mm(x, w.t(), out=out)
-    else:
-        torch.addmm(b, x, w.t(), out=out)
 
 
 def _largest_first(counts: list[int]) -> list[int]:
