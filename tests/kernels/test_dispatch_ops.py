@@ -135,3 +135,27 @@ def test_bad_shapes_fail_with_the_shape():
         permute(torch.randn(4, 8, device=DEVICE), torch.zeros(4, 2, dtype=torch.int32, device=DEVICE), 6)
     with pytest.raises(ValueError, match=r"weight_SK must have shape \[4, 2\], got \[4, 3\]"):
         unpermute_combine(torch.randn(6, 8, device=DEVICE), torch.zeros(4, 2, dtype=torch.long, device=DEVICE), torch.rand(4, 3, device=DEVICE))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_over_many_row_chunks_matches_fp32_sums(dtype, monkeypatch):
+    # the torch path widens half-precision rows a chunk of rows at a time (256 rows at M = 1024): wide
+    # rows and many tokens give several chunks, with a short last one, checked against sums of the same
+    # widened values in fp32 (the Triton kernels widen per element; their cases are above)
+    monkeypatch.setenv("MOE_KERNELS", "torch")
+    S, K, M = 600, 2, 1024
+    row_SK, num_rows = _layout(S, K, 8, 160, 0.1, seed=5, packed=True)
+    buffer = torch.randn(num_rows, M, device=DEVICE).to(dtype).requires_grad_()
+    weight = torch.rand(S, K, device=DEVICE, requires_grad=True)
+    buffer_f = buffer.detach().float().requires_grad_()
+    weight_f = weight.detach().clone().requires_grad_()
+    out = unpermute_combine(buffer, row_SK, weight)
+    ref = unpermute_combine_reference(buffer_f, row_SK, weight_f)
+    if DEVICE == "cpu":  # the same fp32 operations, rounded once: equal to the reference's rounding
+        assert torch.equal(out, ref.to(dtype))
+    torch.testing.assert_close(out.float(), ref, **BF16)
+    grad = torch.randn(S, M, device=DEVICE).to(dtype)
+    out.backward(grad)
+    ref.backward(grad.float())
+    torch.testing.assert_close(weight.grad, weight_f.grad, **FP32)  # dots of exactly widened values, in fp32
+    torch.testing.assert_close(buffer.grad.float(), buffer_f.grad, **BF16)
