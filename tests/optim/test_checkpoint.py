@@ -338,20 +338,28 @@ def _format1_loads_at_stage3_and_saves_sharded(rank, world, folder):
 
 def test_a_checkpoint_written_before_the_sharded_layout_still_loads(tmp_path):
     """tests/data/checkpoint_v1: saved at world 2 / ep 2 / stage 2 by the version that wrote one full
-    chunk per entry, with what loading it at world 1 / stage 0 and one more step gave then."""
+    chunk per entry, with what loading it at world 1 / stage 0 and one more step gave then.
+
+    Loading is pure data, compared bit for bit. The recorded next step was computed on another CPU,
+    whose products round differently (AVX2 against AVX-512 kernels), so it is compared within fp32
+    tolerance; the next step after the sharded round trip equals this machine's direct one bit for bit.
+    """
     expected = torch.load(os.path.join(FORMAT1, "expected.pt"), weights_only=True)
     engine = _engine(1, 0)
     engine.load_checkpoint(FORMAT1)
+    loaded = engine.consolidated_state_dict()
+    for name, value in expected["loaded"].items():
+        assert torch.equal(loaded[name], value), f"{name} differs after loading the format-1 checkpoint"
     engine_steps(engine, 1, 0, ACCUMULATION, first_step=2)
-    for name, value in engine.consolidated_state_dict().items():
-        assert torch.equal(value, expected["after_one_step"][name]), name
+    direct = engine.consolidated_state_dict()
+    _assert_states_close(direct, expected["after_one_step"], "the step after loading the format-1 checkpoint")
     # through stage 3 at world 2, saved again in the sharded layout, back at world 1: the same step
     run_distributed(_format1_loads_at_stage3_and_saves_sharded, 2, str(tmp_path), timeout_s=120)
     engine = _engine(1, 0)
     engine.load_checkpoint(str(tmp_path), tag="resaved")
     engine_steps(engine, 1, 0, ACCUMULATION, first_step=2)
     for name, value in engine.consolidated_state_dict().items():
-        assert torch.equal(value, expected["after_one_step"][name]), f"{name} differs after the sharded round trip"
+        assert torch.equal(value, direct[name]), f"{name} differs after the sharded round trip"
 
 
 def _sharded_save(rank, world, folder, stage):
