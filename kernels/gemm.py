@@ -15,7 +15,8 @@ Backends, all exact up to the order of the fp32 sums:
 
 The first time a shape class is met (N rounded up to a power of two, the widths, dtype, operand
 layouts, bias), every backend runs on the actual operands, alternating, and the fastest minimum time
-wins. The choice is kept for the rest of the process and never revised, so two identical runs in
+wins. Products run on the single-threaded workers of a concurrent plan (`worker=True`) have shape
+classes of their own ("linear@worker"), measured there: one thread favours other kernels than two. The choice is kept for the rest of the process and never revised, so two identical runs in
 one process multiply with the same backends and give bitwise equal results. Products of fewer than
 MEASURE_FROM multiply-adds are not measured: they take BLAS (oneDNN's call costs some 50 us, more than
 such a product, and a timing that small is noise), so small models are bitwise repeatable across
@@ -30,13 +31,14 @@ import json
 import os
 import platform
 import tempfile
+import threading
 import time
 
 import torch
 import torch.nn.functional as F
 
 __all__ = ["BACKENDS", "MEASURE_FROM", "PIECE_ROWS", "adopt", "choices", "choose", "class_rows", "clear", "cpu_model",
-           "kept", "linear", "linear_blas", "linear_tn", "linear_tn_blas", "measuring", "shape_key", "worth_measuring"]
+           "kept", "linear", "linear_tn", "measuring", "shape_key", "worth_measuring"]
 
 BACKENDS = ("blas", "onednn")
 PIECE_ROWS = 32
@@ -51,6 +53,7 @@ _ROUNDS = 3
 _choices: dict[str, str] = {}
 _fast: dict[tuple, str] = {}  # the hot path's index of _choices, by the parts of the key
 _loaded_from: str | None = None
+_choosing = threading.Lock()  # concurrent workers may measure one class at once: the first result stands
 
 
 @functools.cache
@@ -86,8 +89,8 @@ def _cut(n: int) -> list[slice]:
 
 # --- the backends -------------------------------------------------------------------------------
 
-def linear_blas(x, w, b=None, out=None):
-    """x @ w^T (+ b) with torch's BLAS product, whatever was measured (the concurrent plan's products)."""
+def _linear_blas(x, w, b=None, out=None):
+    """x @ w^T (+ b) with torch's BLAS product."""
     if out is None:
         return F.linear(x, w, b)
     if b is None:
@@ -106,7 +109,7 @@ def _linear_onednn(x, w, b, out):
     return out
 
 
-def linear_tn_blas(a, b, out=None):
+def _linear_tn_blas(a, b, out=None):
     """a^T @ b with torch's BLAS product."""
     return torch.mm(a.t(), b) if out is None else torch.mm(a.t(), b, out=out)
 
@@ -121,8 +124,8 @@ def _linear_tn_onednn(a, b, out):
     return torch.add(products[0], products[1], out=out)
 
 
-_LINEAR = {"blas": linear_blas, "onednn": _linear_onednn}
-_LINEAR_TN = {"blas": linear_tn_blas, "onednn": _linear_tn_onednn}
+_LINEAR = {"blas": _linear_blas, "onednn": _linear_onednn}
+_LINEAR_TN = {"blas": _linear_tn_blas, "onednn": _linear_tn_onednn}
 
 
 # --- the choice ---------------------------------------------------------------------------------
@@ -152,9 +155,14 @@ def choose(key: str, runs: dict) -> str:
     """
     _load()
     choice = _choices.get(key)
-    if choice not in runs:
-        choice = _choices[key] = _measure(runs)
-        _save()
+    if choice in runs:
+        return choice
+    measured = _measure(runs)
+    with _choosing:  # another thread may have chosen meanwhile: its choice stands, so every call agrees
+        choice = _choices.get(key)
+        if choice not in runs:
+            choice = _choices[key] = measured
+            _save()
     return choice
 
 
@@ -213,39 +221,45 @@ def _cpu_product(t: torch.Tensor) -> bool:
 
 
 def linear(x_NI: torch.Tensor, w_OI: torch.Tensor, b_O: torch.Tensor | None = None,
-           out: torch.Tensor | None = None) -> torch.Tensor:
+           out: torch.Tensor | None = None, *, worker: bool = False) -> torch.Tensor:
     """x @ w^T (+ b) through the measured backend for this shape class.
 
     Args:
         x_NI: shape [N, I]. w_OI: shape [O, I] (a transposed view is fine). b_O: shape [O] or None.
         out: contiguous [N, O] tensor to write the result to, or None.
+        worker: the call runs on a single-threaded worker of a concurrent plan (shape classes of its own).
 
     Returns:
         The product, shape [N, O] (`out` when given).
     """
     if not _cpu_product(x_NI):
-        return linear_blas(x_NI, w_OI, b_O, out)
+        return _linear_blas(x_NI, w_OI, b_O, out)
     (n, width_in), width_out = x_NI.shape, w_OI.shape[0]
-    backend = _backend("linear", n, (width_in, width_out), x_NI.dtype, (x_NI, w_OI, b_O), n * width_in * width_out,
-                       lambda name: _LINEAR[name](x_NI, w_OI, b_O, out))
+    backend = _backend(_KINDS[worker][0], n, (width_in, width_out), x_NI.dtype, (x_NI, w_OI, b_O),
+                       n * width_in * width_out, lambda name: _LINEAR[name](x_NI, w_OI, b_O, out))
     return _LINEAR[backend](x_NI, w_OI, b_O, out)
 
 
-def linear_tn(a_NP: torch.Tensor, b_NQ: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+def linear_tn(a_NP: torch.Tensor, b_NQ: torch.Tensor, out: torch.Tensor | None = None, *,
+              worker: bool = False) -> torch.Tensor:
     """a^T @ b, a reduction over the N rows, through the measured backend for this shape class.
 
     Args:
         a_NP: shape [N, P]. b_NQ: shape [N, Q]. out: contiguous [P, Q] tensor, or None.
+        worker: the call runs on a single-threaded worker of a concurrent plan (shape classes of its own).
 
     Returns:
         The product, shape [P, Q] (`out` when given).
     """
     if not _cpu_product(a_NP):
-        return linear_tn_blas(a_NP, b_NQ, out)
+        return _linear_tn_blas(a_NP, b_NQ, out)
     (n, width_p), width_q = a_NP.shape, b_NQ.shape[1]
-    backend = _backend("linear_tn", n, (width_p, width_q), a_NP.dtype, (a_NP, b_NQ), n * width_p * width_q,
+    backend = _backend(_KINDS[worker][1], n, (width_p, width_q), a_NP.dtype, (a_NP, b_NQ), n * width_p * width_q,
                        lambda name: _LINEAR_TN[name](a_NP, b_NQ, out))
     return _LINEAR_TN[backend](a_NP, b_NQ, out)
+
+
+_KINDS = {False: ("linear", "linear_tn"), True: ("linear@worker", "linear_tn@worker")}
 
 
 def kept(key: str) -> str | None:

@@ -212,10 +212,11 @@ def combine_rows(buffer_NM: torch.Tensor, row_SK: torch.Tensor, weight_SK: torch
     if (buffer_NM.device.type == "cpu" and buffer_NM.dtype == acc_dtype and not torch.compiler.is_compiling()
             and buffer_NM.shape[0]):  # (compiled, the gathers below trace with symbolic row counts)
         return F.embedding_bag(rows_SK, buffer_NM, per_sample_weights=w_SK, mode="sum")
-    # half precision: fp32 sums over chunks of tokens, so each widened copy of gathered rows stays small
-    # (mixed-dtype ops would widen an operand into a fresh [S, M] temporary, page-faulted in every step)
+    # half precision (or off the CPU): fp32 sums over chunks of tokens, so on the CPU each widened copy of
+    # gathered rows stays small (mixed-dtype ops would widen an operand into a fresh [S, M] temporary,
+    # page-faulted in every step)
     out_SM = workspace.empty((S, buffer_NM.shape[1]), buffer_NM.dtype, buffer_NM.device)
-    for part in _row_chunks(S, buffer_NM.shape[1]):
+    for part in _row_chunks(buffer_NM, S):
         rows_CK, w_CK = rows_SK[part], w_SK[part]
         acc_CM = buffer_NM.index_select(0, rows_CK[:, 0]).to(acc_dtype).mul_(w_CK[:, :1])
         for j in range(1, K):
@@ -242,18 +243,21 @@ def row_dots(grad_SM: torch.Tensor, buffer_NM: torch.Tensor, row_SK: torch.Tenso
     if g_NM.dtype == acc_dtype:
         torch.mul(g_NM, buffer_NM, out=products_NM)
     else:  # widened a chunk of rows at a time: a whole fp32 copy of [N, M] would be fresh memory every step
-        for part in _row_chunks(num_rows, g_NM.shape[1]):
+        for part in _row_chunks(g_NM, num_rows):
             torch.mul(g_NM[part].to(acc_dtype), buffer_NM[part].to(acc_dtype), out=products_NM[part])
     dots_N = products_NM.sum(1)
     dots_N1 = torch.cat([dots_N, dots_N.new_zeros(1)])  # row N: the dropped choices' zero
     return dots_N1[torch.where(row_SK >= 0, row_SK, num_rows)]
 
 
-def _row_chunks(n_rows: int, n_cols: int) -> list[slice]:
-    """Rows [0, n_rows) in chunks of about 1 MiB of fp32: half-precision rows widened a chunk at a time.
+def _row_chunks(t: torch.Tensor, n_rows: int) -> list[slice]:
+    """Rows [0, n_rows) of a computation on `t`'s device in chunks of about 1 MiB of fp32 (CPU, eager),
+    else in one piece (a GPU wants few large ops; a compiled graph, no loop over a symbolic size).
 
-    Widening [16384, 512] bf16 whole took 8.7 ms (32 MiB of fresh pages, faulted in every step), into
-    reused memory 1.0 ms (2-core AMD EPYC).
+    On the CPU half-precision rows are widened a chunk at a time: widening [16384, 512] bf16 whole took
+    8.7 ms (32 MiB of fresh pages, faulted in every step), into reused memory 1.0 ms (2-core AMD EPYC).
     """
-    step = max(1, (1 << 18) // max(n_cols, 1))
+    if t.device.type != "cpu" or torch.compiler.is_compiling():
+        return [slice(0, n_rows)]
+    step = max(1, (1 << 18) // max(t.shape[1], 1))
     return [slice(start, min(start + step, n_rows)) for start in range(0, n_rows, step)]

@@ -121,7 +121,8 @@ def expert_matmuls(counts: list[int], cfg: BenchConfig, device, ours: bool):
 
     Ours: per expert through `kernels.gemm` into preallocated outputs, with the backends the layer's
     products were measured to use (or one grouped GEMM per product, or experts side by side on worker
-    threads, when the layer chose that plan), without the layer's activations and sums around them.
+    threads with the backends measured there, when the layer chose that plan), without the layer's
+    activations and sums around them.
     DeepSpeed's: torch's default products (F.linear forward, mm backward) per expert on the full
     capacity buffer, as autograd runs nn.Linear.
     """
@@ -144,15 +145,15 @@ def expert_matmuls(counts: list[int], cfg: BenchConfig, device, ours: bool):
                 gemm.linear_tn(gy[rows], a[rows], out=gw2[e])
                 gemm.linear_tn(gh[rows], x[rows], out=gw1[e])
 
-    def run_concurrent():  # experts side by side on single-threaded workers, BLAS products
+    def run_concurrent():  # experts side by side on single-threaded workers, products measured there
         def expert(item):
             e, rows = item
-            torch.mm(x[rows], w1[e].t(), out=h[rows])
-            torch.mm(a[rows], w2[e].t(), out=y[rows])
-            torch.mm(gy[rows], w2[e], out=ga[rows])
-            torch.mm(gh[rows], w1[e], out=gx[rows])
-            torch.mm(gy[rows].t(), a[rows], out=gw2[e])
-            torch.mm(gh[rows].t(), x[rows], out=gw1[e])
+            gemm.linear(x[rows], w1[e], out=h[rows], worker=True)
+            gemm.linear(a[rows], w2[e], out=y[rows], worker=True)
+            gemm.linear(gy[rows], w2[e].t(), out=ga[rows], worker=True)
+            gemm.linear(gh[rows], w1[e].t(), out=gx[rows], worker=True)
+            gemm.linear_tn(gy[rows], a[rows], out=gw2[e], worker=True)
+            gemm.linear_tn(gh[rows], x[rows], out=gw1[e], worker=True)
 
         threads.run_each(expert, sorted(((e, rows) for e, rows in experts if rows.stop > rows.start),
                                         key=lambda item: item[1].start - item[1].stop))

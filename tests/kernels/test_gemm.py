@@ -5,6 +5,7 @@ bf16 against the fp32 product cast to bf16, 2e-2.
 """
 
 import json
+import threading
 
 import pytest
 import torch
@@ -93,6 +94,31 @@ def test_a_shape_class_is_measured_once_and_its_choice_kept(monkeypatch):
     assert measured == [list(gemm.BACKENDS)] * 3
     assert sorted(gemm.choices()) == ["linear|16|24x40|float32|nn-", "linear|64|24x40|float32|nn-",
                                       "linear|64|24x40|float32|nt-"]
+
+
+def test_threads_measuring_one_class_at_once_all_use_the_first_choice_stored(monkeypatch):
+    """Workers of a concurrent plan may meet a new class together; their timings may disagree, but the
+    choice stored first is the one every caller multiplies with, now and later."""
+    barrier = threading.Barrier(2, timeout=30)
+    results = {}
+
+    def fake_measure(runs):
+        barrier.wait()  # both threads are measuring the class at once
+        return list(runs)[0] if threading.current_thread().name == "first" else list(runs)[1]
+
+    monkeypatch.setattr(gemm, "_measure", fake_measure)
+
+    def call():
+        results[threading.current_thread().name] = gemm.choose("linear@worker|64|8x8|float32|nn-",
+                                                                dict.fromkeys(gemm.BACKENDS, lambda: None))
+
+    workers = [threading.Thread(target=call, name=name) for name in ("first", "second")]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+    stored = gemm.choices()["linear@worker|64|8x8|float32|nn-"]
+    assert results == {"first": stored, "second": stored}
 
 
 def test_two_identical_runs_are_bitwise_equal_whatever_the_timings(monkeypatch):

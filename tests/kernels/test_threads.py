@@ -169,6 +169,31 @@ def test_the_concurrent_plan_is_bitwise_repeatable(two_threads):
             assert torch.equal(a, b)
 
 
+def test_the_concurrent_plan_measures_its_products_on_the_workers(two_threads, monkeypatch):
+    """Measured products (here every size, each backend forced in turn) take worker shape classes of
+    their own, match autograd and repeat bit for bit."""
+    if not gemm.measuring(torch.float32):
+        pytest.skip("this torch build has no oneDNN linear: products always use BLAS, nothing is measured")
+    monkeypatch.setattr(gemm, "MEASURE_FROM", 0)
+    counts = [70, 0, 33, 129, 5]
+    operands = _operands(torch.float32, True, counts, M=40, H=72)
+    want = _forward_backward(_reference, operands, counts, "gelu")
+    for backend in gemm.BACKENDS:
+        gemm.clear()
+        monkeypatch.setattr(gemm, "_measure", lambda runs: backend)
+
+        def run():
+            return _forward_backward(lambda *a: _ConcurrentMLP.apply(*a[:6], (a[6], "none")), operands, counts, "gelu")
+
+        got = run()
+        kinds = {key.split("|")[0] for key in gemm.choices()}
+        assert kinds == {"linear@worker", "linear_tn@worker"} and set(gemm.choices().values()) == {backend}
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, **TOLERANCES[torch.float32])
+        for a, b in zip(got, run()):
+            assert torch.equal(a, b)
+
+
 def test_the_concurrent_plan_with_no_rows_at_all(two_threads):
     counts = [0, 0, 0]
     operands = _operands(torch.float32, True, counts)
