@@ -1,7 +1,7 @@
 """Matrix products on the CPU through the implementation measured fastest for their shape.
 
-    linear(x_NI, w_OI, b_O=None, out=None)   out = x @ w^T (+ b)   -> [N, O]   (forward, input gradient)
-    linear_tn(a_NP, b_NQ, out=None)          out = a^T @ b          -> [P, Q]   (weight gradient)
+    linear(x_NI, w_OI, b_O=None, out=None, *, worker=False)   out = x @ w^T (+ b) -> [N, O]   (forward, input gradient)
+    linear_tn(a_NP, b_NQ, out=None, *, worker=False)          out = a^T @ b       -> [P, Q]   (weight gradient)
 
 Shape legend: N rows (the dimension that changes from step to step with routing), I/O/P/Q widths.
 Operands may be transposed views; `out`, when given, is a contiguous tensor the result is written to.
@@ -16,7 +16,9 @@ Backends, all exact up to the order of the fp32 sums:
 The first time a shape class is met (N rounded up to a power of two, the widths, dtype, operand
 layouts, bias), every backend runs on the actual operands, alternating, and the fastest minimum time
 wins. Products run on the single-threaded workers of a concurrent plan (`worker=True`) have shape
-classes of their own ("linear@worker"), measured there: one thread favours other kernels than two. The choice is kept for the rest of the process and never revised, so two identical runs in
+classes of their own ("linear@worker"), measured there: one thread favours other kernels than two.
+Workers that meet a new class together may each measure it; the first choice stored is the one
+every caller uses. The choice is kept for the rest of the process and never revised, so two identical runs in
 one process multiply with the same backends and give bitwise equal results. Products of fewer than
 MEASURE_FROM multiply-adds are not measured: they take BLAS (oneDNN's call costs some 50 us, more than
 such a product, and a timing that small is noise), so small models are bitwise repeatable across
@@ -37,6 +39,8 @@ import time
 import torch
 import torch.nn.functional as F
 
+from kernels import threads
+
 __all__ = ["BACKENDS", "MEASURE_FROM", "PIECE_ROWS", "adopt", "choices", "choose", "class_rows", "clear", "cpu_model",
            "kept", "linear", "linear_tn", "measuring", "shape_key", "worth_measuring"]
 
@@ -54,6 +58,7 @@ _choices: dict[str, str] = {}
 _fast: dict[tuple, str] = {}  # the hot path's index of _choices, by the parts of the key
 _loaded_from: str | None = None
 _choosing = threading.Lock()  # concurrent workers may measure one class at once: the first result stands
+_loading = threading.Lock()  # the cache file is read once, whichever thread gets there first
 
 
 @functools.cache
@@ -144,7 +149,9 @@ def _measure(runs: dict) -> str:
 
 
 def choose(key: str, runs: dict) -> str:
-    """The implementation measured fastest for the shape class `key`, measured on the first call only.
+    """The implementation measured fastest for the shape class `key`, measured on its first call(s).
+
+    Threads that meet a new class at once each measure it; the first choice stored is returned to all.
 
     Args:
         key: the shape class (see `shape_key`); a choice once made is kept for the process.
@@ -304,7 +311,8 @@ def clear() -> None:
 # --- the optional file of choices ---------------------------------------------------------------
 
 def _machine() -> str:
-    return f"{platform.machine()} {cpu_model()} torch {torch.__version__} threads {torch.get_num_threads()}"
+    """The cache file's entry for this process: on a concurrent plan's worker, its caller's thread count."""
+    return f"{platform.machine()} {cpu_model()} torch {torch.__version__} threads {threads.caller_threads()}"
 
 
 @functools.cache
@@ -326,19 +334,22 @@ def _load() -> None:
     path = os.environ.get("MOE_CPU_GEMM_CACHE")
     if not path or path == _loaded_from:
         return
-    _loaded_from = path
-    try:
-        with open(path) as f:
-            stored = json.load(f)
-    except FileNotFoundError:
-        return
-    except (OSError, ValueError) as error:
-        raise ValueError(f"MOE_CPU_GEMM_CACHE={path!r} is not a readable JSON file of GEMM choices: {error}") from None
-    entries = stored.get(_machine(), {}) if isinstance(stored, dict) else None
-    if not isinstance(entries, dict) or not all(isinstance(value, str) for value in entries.values()):
-        raise ValueError(f"MOE_CPU_GEMM_CACHE={path!r} must map machines to {{shape class: implementation name}}")
-    for key, value in entries.items():
-        _choices.setdefault(key, value)  # a choice already used in this process stays
+    with _loading:  # another thread may be reading it: marked read only once its entries are in
+        if path == _loaded_from:
+            return
+        try:
+            with open(path) as f:
+                stored = json.load(f)
+        except FileNotFoundError:
+            stored = {}
+        except (OSError, ValueError) as error:
+            raise ValueError(f"MOE_CPU_GEMM_CACHE={path!r} is not a readable JSON file of GEMM choices: {error}") from None
+        entries = stored.get(_machine(), {}) if isinstance(stored, dict) else None
+        if not isinstance(entries, dict) or not all(isinstance(value, str) for value in entries.values()):
+            raise ValueError(f"MOE_CPU_GEMM_CACHE={path!r} must map machines to {{shape class: implementation name}}")
+        for key, value in entries.items():
+            _choices.setdefault(key, value)  # a choice already used in this process stays
+        _loaded_from = path
 
 
 def _save() -> None:

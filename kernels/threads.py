@@ -23,16 +23,27 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-__all__ = ["run_each", "workers"]
+__all__ = ["caller_threads", "on_worker", "run_each", "workers"]
 
 _pools: dict[tuple[int, int], ThreadPoolExecutor] = {}  # (process id, workers) -> pool, never shut down
 _pools_lock = threading.Lock()
+_local = threading.local()  # on a pool's threads: caller_threads, the intra-op count of the code using the pool
 _DONE = object()
 
 
 def workers() -> int:
     """How many workers `run_each` uses: torch's intra-op thread count."""
     return torch.get_num_threads()
+
+
+def on_worker() -> bool:
+    """Whether the calling thread is one of `run_each`'s single-threaded workers."""
+    return hasattr(_local, "caller_threads")
+
+
+def caller_threads() -> int:
+    """torch's intra-op thread count of the code that runs the workers (on a worker: its caller's, not 1)."""
+    return getattr(_local, "caller_threads", None) or torch.get_num_threads()
 
 
 def _executor(count: int) -> ThreadPoolExecutor:
@@ -58,6 +69,7 @@ def _start_single_threaded(pool: ThreadPoolExecutor, count: int) -> None:
     def start():
         torch.get_num_threads()  # torch's per-thread set-up, which would otherwise undo the next line
         torch.set_num_threads(1)
+        _local.caller_threads = count  # a pool of `count` workers serves callers of `count` threads
         arrived.wait()
 
     try:

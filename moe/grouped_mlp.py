@@ -190,7 +190,8 @@ class _ConcurrentMLP(torch.autograd.Function):
 
     Each expert's products, activation and bias sums are one work item; the largest experts start first.
     Each product takes the backend measured for its shape class on one thread, the same on every
-    worker, so which worker runs an expert does not change its result.
+    worker, so which worker runs an expert does not change its result (a lone expert runs in the
+    caller, with the caller's threads and shape classes).
     """
 
     @staticmethod
@@ -201,9 +202,10 @@ class _ConcurrentMLP(torch.autograd.Function):
         x_e, h_e, a_e, y_e = (t.split(counts) for t in (x_NM, h_NH, a_NH, y_NM))
 
         def expert(e):
-            gemm.linear(x_e[e], w1[e], b1[e], h_e[e], worker=True)
+            worker = threads.on_worker()  # a lone item runs in the caller, on all its threads
+            gemm.linear(x_e[e], w1[e], b1[e], h_e[e], worker=worker)
             _activate(name, approximate, h_e[e], a_e[e])
-            gemm.linear(a_e[e], w2[e], b2[e], y_e[e], worker=True)
+            gemm.linear(a_e[e], w2[e], b2[e], y_e[e], worker=worker)
 
         threads.run_each(expert, _largest_first(counts))
         _save(ctx, x_NM, weight1, weight2, h_NH, a_NH, counts, activation, bias1 is not None)
@@ -216,9 +218,10 @@ class _ConcurrentMLP(torch.autograd.Function):
         w1_t, w2_t = b.weight1.transpose(1, 2).unbind(0), b.weight2.transpose(1, 2).unbind(0)
 
         def expert(e):
-            gemm.linear(b.grad_y_e[e], w2_t[e], None, b.grad_h_e[e], worker=True)
+            worker = threads.on_worker()
+            gemm.linear(b.grad_y_e[e], w2_t[e], None, b.grad_h_e[e], worker=worker)
             _activation_backward(*ctx.activation, b.grad_h_e[e], b.h_e[e], b.a_e[e], b.grad_h_e[e])
-            _expert_gradients(b, e, w1_t, ctx.has_bias, worker=True)
+            _expert_gradients(b, e, w1_t, ctx.has_bias, worker)
 
         threads.run_each(expert, _largest_first(ctx.counts))
         return _gradients(b)

@@ -117,7 +117,8 @@ def time_interleaved(steps: dict, cfg: BenchConfig, device) -> dict:
 
 
 def expert_matmuls(counts: list[int], cfg: BenchConfig, device, ours: bool):
-    """The experts' products of one forward+backward, alone, as each layer issues them.
+    """The experts' products of one forward+backward, alone, as each layer issues them (forward products
+    with their biases, as both layers' products add them).
 
     Ours: per expert through `kernels.gemm` into preallocated outputs, with the backends the layer's
     products were measured to use (or one grouped GEMM per product, or experts side by side on worker
@@ -133,13 +134,14 @@ def expert_matmuls(counts: list[int], cfg: BenchConfig, device, ours: bool):
     h, gh, a, ga = (torch.randn(N, H, device=device, dtype=dtype) for _ in range(4))
     w1, gw1 = (torch.randn(len(counts), H, M, device=device, dtype=dtype) for _ in range(2))
     w2, gw2 = (torch.randn(len(counts), M, H, device=device, dtype=dtype) for _ in range(2))
+    b1, b2 = torch.randn(len(counts), H, device=device, dtype=dtype), torch.randn(len(counts), M, device=device, dtype=dtype)
     experts = _whole(counts)
 
     def run_ours():
         for e, rows in experts:
             if rows.stop > rows.start:
-                gemm.linear(x[rows], w1[e], out=h[rows])  # forward: x W1^T, a W2^T
-                gemm.linear(a[rows], w2[e], out=y[rows])
+                gemm.linear(x[rows], w1[e], b1[e], out=h[rows])  # forward: x W1^T + b1, a W2^T + b2
+                gemm.linear(a[rows], w2[e], b2[e], out=y[rows])
                 gemm.linear(gy[rows], w2[e].t(), out=ga[rows])  # backward: input and weight gradients
                 gemm.linear(gh[rows], w1[e].t(), out=gx[rows])
                 gemm.linear_tn(gy[rows], a[rows], out=gw2[e])
@@ -148,8 +150,8 @@ def expert_matmuls(counts: list[int], cfg: BenchConfig, device, ours: bool):
     def run_concurrent():  # experts side by side on single-threaded workers, products measured there
         def expert(item):
             e, rows = item
-            gemm.linear(x[rows], w1[e], out=h[rows], worker=True)
-            gemm.linear(a[rows], w2[e], out=y[rows], worker=True)
+            gemm.linear(x[rows], w1[e], b1[e], out=h[rows], worker=True)
+            gemm.linear(a[rows], w2[e], b2[e], out=y[rows], worker=True)
             gemm.linear(gy[rows], w2[e].t(), out=ga[rows], worker=True)
             gemm.linear(gh[rows], w1[e].t(), out=gx[rows], worker=True)
             gemm.linear_tn(gy[rows], a[rows], out=gw2[e], worker=True)
@@ -168,8 +170,8 @@ def expert_matmuls(counts: list[int], cfg: BenchConfig, device, ours: bool):
 
     def run_deepspeed():
         for e, rows in experts:
-            nn.functional.linear(x[rows], w1[e])
-            nn.functional.linear(h[rows], w2[e])
+            nn.functional.linear(x[rows], w1[e], b1[e])
+            nn.functional.linear(h[rows], w2[e], b2[e])
         for e, rows in experts:
             torch.mm(gy[rows], w2[e])
             torch.mm(gy[rows].t(), h[rows])

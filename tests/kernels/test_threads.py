@@ -4,6 +4,7 @@ The plan is compared with plain torch autograd on per-expert F.linear products: 
 (only the order of sums differs), fp32 at 1e-5; two runs of the plan give bitwise equal results.
 """
 
+import json
 import threading
 
 import pytest
@@ -180,7 +181,8 @@ def test_the_concurrent_plan_measures_its_products_on_the_workers(two_threads, m
     want = _forward_backward(_reference, operands, counts, "gelu")
     for backend in gemm.BACKENDS:
         gemm.clear()
-        monkeypatch.setattr(gemm, "_measure", lambda runs: backend)
+        measured_on = set()
+        monkeypatch.setattr(gemm, "_measure", lambda runs: measured_on.add(torch.get_num_threads()) or backend)
 
         def run():
             return _forward_backward(lambda *a: _ConcurrentMLP.apply(*a[:6], (a[6], "none")), operands, counts, "gelu")
@@ -188,10 +190,41 @@ def test_the_concurrent_plan_measures_its_products_on_the_workers(two_threads, m
         got = run()
         kinds = {key.split("|")[0] for key in gemm.choices()}
         assert kinds == {"linear@worker", "linear_tn@worker"} and set(gemm.choices().values()) == {backend}
+        assert measured_on == {1}
         for a, b in zip(got, want):
             torch.testing.assert_close(a, b, **TOLERANCES[torch.float32])
         for a, b in zip(got, run()):
             assert torch.equal(a, b)
+
+
+def test_a_lone_expert_runs_in_the_caller_with_its_threads_and_classes(two_threads, monkeypatch):
+    if not gemm.measuring(torch.float32):
+        pytest.skip("this torch build has no oneDNN linear: products always use BLAS, nothing is measured")
+    monkeypatch.setattr(gemm, "MEASURE_FROM", 0)
+    measured_on = set()
+    monkeypatch.setattr(gemm, "_measure", lambda runs: measured_on.add(torch.get_num_threads()) or "onednn")
+    counts = [0, 50, 0]
+    operands = _operands(torch.float32, True, counts, M=40, H=72)
+    got = _forward_backward(lambda *a: _ConcurrentMLP.apply(*a[:6], (a[6], "none")), operands, counts, "relu")
+    assert {key.split("|")[0] for key in gemm.choices()} == {"linear", "linear_tn"} and measured_on == {2}
+    for a, b in zip(got, _forward_backward(_reference, operands, counts, "relu")):
+        torch.testing.assert_close(a, b, **TOLERANCES[torch.float32])
+
+
+def test_workers_keep_their_choices_under_the_callers_entry_of_the_cache_file(two_threads, monkeypatch, tmp_path):
+    """The file's entries are per machine and thread count: the workers' classes belong to the caller's count."""
+    if not gemm.measuring(torch.float32):
+        pytest.skip("this torch build has no oneDNN linear: products always use BLAS, nothing is measured")
+    monkeypatch.setattr(gemm, "MEASURE_FROM", 0)
+    monkeypatch.setattr(gemm, "_measure", lambda runs: "onednn")
+    path = tmp_path / "gemm.json"
+    monkeypatch.setenv("MOE_CPU_GEMM_CACHE", str(path))
+    counts = [40, 30, 20]
+    operands = _operands(torch.float32, True, counts, M=40, H=72)
+    _forward_backward(lambda *a: _ConcurrentMLP.apply(*a[:6], (a[6], "none")), operands, counts, "gelu")
+    stored = json.loads(path.read_text())
+    assert list(stored) == [gemm._machine()] and gemm._machine().endswith("threads 2")
+    assert set(stored[gemm._machine()]) == set(gemm.choices()) and any("@worker" in key for key in gemm.choices())
 
 
 def test_the_concurrent_plan_with_no_rows_at_all(two_threads):
