@@ -18,8 +18,8 @@ layouts, bias), every backend runs on the actual operands, alternating, and the 
 wins. Products run on the single-threaded workers of a concurrent plan (`worker=True`) have shape
 classes of their own ("linear@worker"), measured there: one thread favours other kernels than two.
 Workers that meet a new class together may each measure it; the first choice stored is the one
-every caller uses. The choice is kept for the rest of the process and never revised, so two identical runs in
-one process multiply with the same backends and give bitwise equal results. Products of fewer than
+every caller uses. The choice is kept for the rest of the process and never revised, so two
+identical runs in one process multiply with the same backends and give bitwise equal results. Products of fewer than
 MEASURE_FROM multiply-adds are not measured: they take BLAS (oneDNN's call costs some 50 us, more than
 such a product, and a timing that small is noise), so small models are bitwise repeatable across
 processes too. Checkpoints record the choices and a resumed run adopts them (`adopt`). MOE_CPU_GEMM=blas or
