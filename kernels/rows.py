@@ -250,6 +250,9 @@ def row_dots(grad_SM: torch.Tensor, buffer_NM: torch.Tensor, row_SK: torch.Tenso
     return dots_N1[torch.where(row_SK >= 0, row_SK, num_rows)]
 
 
+_CHUNK_ELEMENTS = 1 << 18  # fp32 elements per chunk of widened rows: 1 MiB
+
+
 def _row_chunks(t: torch.Tensor, n_rows: int) -> list[slice]:
     """Rows [0, n_rows) of a computation on `t`'s device in chunks of about 1 MiB of fp32 (CPU, eager),
     else in one piece (a GPU wants few large ops; a compiled graph, no loop over a symbolic size).
@@ -259,5 +262,5 @@ def _row_chunks(t: torch.Tensor, n_rows: int) -> list[slice]:
     """
     if t.device.type != "cpu" or torch.compiler.is_compiling():
         return [slice(0, n_rows)]
-    step = max(1, (1 << 18) // max(t.shape[1], 1))
+    step = max(1, _CHUNK_ELEMENTS // max(t.shape[1], 1))
     return [slice(start, min(start + step, n_rows)) for start in range(0, n_rows, step)]
