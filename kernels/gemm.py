@@ -1,7 +1,7 @@
 """Matrix products on the CPU through the implementation measured fastest for their shape.
 
-    linear(x_NI, w_OI, b_O=None, out=None, *, worker=False)   out = x @ w^T (+ b) -> [N, O]   (forward, input gradient)
-    linear_tn(a_NP, b_NQ, out=None, *, worker=False)          out = a^T @ b       -> [P, Q]   (weight gradient)
+    linear(x_NI, w_OI, b_O=None, out=None)   out = x @ w^T (+ b)   -> [N, O]   (forward, input gradient)
+    linear_tn(a_NP, b_NQ, out=None)          out = a^T @ b          -> [P, Q]   (weight gradient)
 
 Shape legend: N rows (the dimension that changes from step to step with routing), I/O/P/Q widths.
 Operands may be transposed views; `out`, when given, is a contiguous tensor the result is written to.
@@ -15,12 +15,12 @@ Backends, all exact up to the order of the fp32 sums:
 
 The first time a shape class is met (N rounded up to a power of two, the widths, dtype, operand
 layouts, bias), every backend runs on the actual operands, alternating, and the fastest minimum time
-wins. Products run on the single-threaded workers of a concurrent plan (`worker=True`) have shape
-classes of their own ("linear@worker"), measured there: one thread favours other kernels than two.
-Workers that meet a new class together may each measure it; the first choice stored is the one
+wins. Products run on the single-threaded workers of `kernels.threads` (a concurrent plan) have
+shape classes of their own ("linear@worker"), measured there: one thread favours other kernels than
+two. Workers that meet a new class together may each measure it; the first choice stored is the one
 every caller uses. The choice is kept for the rest of the process and never revised, so two
-identical runs in one process multiply with the same backends and give bitwise equal results. Products of fewer than
-MEASURE_FROM multiply-adds are not measured: they take BLAS (oneDNN's call costs some 50 us, more than
+identical runs in one process multiply with the same backends and give bitwise equal results.
+Products of fewer than MEASURE_FROM multiply-adds are not measured: they take BLAS (oneDNN's call costs some 50 us, more than
 such a product, and a timing that small is noise), so small models are bitwise repeatable across
 processes too. Checkpoints record the choices and a resumed run adopts them (`adopt`). MOE_CPU_GEMM=blas or
 onednn forces a backend; MOE_CPU_GEMM_CACHE=<file.json> keeps choices across processes (entries are
@@ -203,13 +203,16 @@ def _backend(kind: str, n: int, widths: tuple, dtype: torch.dtype, operands: tup
     """The backend for one product: forced, BLAS below the measuring size, else the shape class's choice.
 
     The hot path (a class already chosen) looks the choice up by a tuple, without building the
-    class's string key; the tuple holds exactly what the key is made of.
+    class's string key; the tuple holds exactly what the key is made of. On a worker of
+    `kernels.threads` the kind is the worker's ("linear@worker"): measured on one thread.
     """
     forced = _forced()
     if _onednn_op(dtype) is None or (forced == "auto" and not worth_measuring(multiply_adds)):
         return "blas"
     if forced != "auto":
         return forced
+    if threads.on_worker():
+        kind += "@worker"
     fast_key = (kind, _rows_class(n), widths, dtype, *map(_layout_code, operands))
     choice = _fast.get(fast_key)
     if choice is not None:
@@ -228,13 +231,12 @@ def _cpu_product(t: torch.Tensor) -> bool:
 
 
 def linear(x_NI: torch.Tensor, w_OI: torch.Tensor, b_O: torch.Tensor | None = None,
-           out: torch.Tensor | None = None, *, worker: bool = False) -> torch.Tensor:
+           out: torch.Tensor | None = None) -> torch.Tensor:
     """x @ w^T (+ b) through the measured backend for this shape class.
 
     Args:
         x_NI: shape [N, I]. w_OI: shape [O, I] (a transposed view is fine). b_O: shape [O] or None.
         out: contiguous [N, O] tensor to write the result to, or None.
-        worker: the call runs on a single-threaded worker of a concurrent plan (shape classes of its own).
 
     Returns:
         The product, shape [N, O] (`out` when given).
@@ -242,18 +244,16 @@ def linear(x_NI: torch.Tensor, w_OI: torch.Tensor, b_O: torch.Tensor | None = No
     if not _cpu_product(x_NI):
         return _linear_blas(x_NI, w_OI, b_O, out)
     (n, width_in), width_out = x_NI.shape, w_OI.shape[0]
-    backend = _backend(_KINDS[worker][0], n, (width_in, width_out), x_NI.dtype, (x_NI, w_OI, b_O),
-                       n * width_in * width_out, lambda name: _LINEAR[name](x_NI, w_OI, b_O, out))
+    backend = _backend("linear", n, (width_in, width_out), x_NI.dtype, (x_NI, w_OI, b_O), n * width_in * width_out,
+                       lambda name: _LINEAR[name](x_NI, w_OI, b_O, out))
     return _LINEAR[backend](x_NI, w_OI, b_O, out)
 
 
-def linear_tn(a_NP: torch.Tensor, b_NQ: torch.Tensor, out: torch.Tensor | None = None, *,
-              worker: bool = False) -> torch.Tensor:
+def linear_tn(a_NP: torch.Tensor, b_NQ: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """a^T @ b, a reduction over the N rows, through the measured backend for this shape class.
 
     Args:
         a_NP: shape [N, P]. b_NQ: shape [N, Q]. out: contiguous [P, Q] tensor, or None.
-        worker: the call runs on a single-threaded worker of a concurrent plan (shape classes of its own).
 
     Returns:
         The product, shape [P, Q] (`out` when given).
@@ -261,12 +261,9 @@ def linear_tn(a_NP: torch.Tensor, b_NQ: torch.Tensor, out: torch.Tensor | None =
     if not _cpu_product(a_NP):
         return _linear_tn_blas(a_NP, b_NQ, out)
     (n, width_p), width_q = a_NP.shape, b_NQ.shape[1]
-    backend = _backend(_KINDS[worker][1], n, (width_p, width_q), a_NP.dtype, (a_NP, b_NQ), n * width_p * width_q,
+    backend = _backend("linear_tn", n, (width_p, width_q), a_NP.dtype, (a_NP, b_NQ), n * width_p * width_q,
                        lambda name: _LINEAR_TN[name](a_NP, b_NQ, out))
     return _LINEAR_TN[backend](a_NP, b_NQ, out)
-
-
-_KINDS = {False: ("linear", "linear_tn"), True: ("linear@worker", "linear_tn@worker")}
 
 
 def kept(key: str) -> str | None:

@@ -13,10 +13,10 @@ Three implementations, equal up to the order of fp32 sums:
 - grouped: one grouped GEMM per layer for all experts (`kernels.grouped_gemm`).
 - concurrent (CPU): the per-expert work with experts side by side on single-threaded workers
   (`kernels.threads`), each product through the backend measured for its shape class on one thread
-  (`kernels.gemm`, worker=True). On a 2-core AMD EPYC with AVX2, forward+backward of the MLP alone
+  (`kernels.gemm`). On a 2-core AMD EPYC with AVX2, forward+backward of the MLP alone
   (BLAS products) at 64 experts of [~256, 512] x [512, 2048] took 1770 ms against the per-expert
   plan's 1919, at 16 experts of [~1024, 512] x [512, 2048] 1427 against 1527 ms (medians of
-  alternating runs); on a 2-core AMD EPYC with AVX-512 one-thread oneDNN products made the layer 3%
+  alternating runs); on a 2-core AMD EPYC with AVX-512 one-thread oneDNN products made the layer 2.2%
   faster than one-thread BLAS at 16 experts. Offered only for large layers (see CONCURRENT_FROM).
 On the CPU with `use_grouped_gemm=None` the candidates are timed on the first batch of each shape
 class and the fastest is kept (see `kernels.gemm`). The backward is first-order only.
@@ -137,12 +137,12 @@ def _backward_buffers(ctx, grad_y_NM) -> SimpleNamespace:
     return b
 
 
-def _expert_gradients(b: SimpleNamespace, e: int, w1_t, has_bias: bool, worker: bool = False) -> None:
+def _expert_gradients(b: SimpleNamespace, e: int, w1_t, has_bias: bool) -> None:
     """Expert e's input, weight and bias gradients from its grad_h rows (activation backward done)."""
     grad_y, grad_h = b.grad_y_e[e], b.grad_h_e[e]
-    gemm.linear(grad_h, w1_t[e], None, b.grad_x_e[e], worker=worker)
-    gemm.linear_tn(grad_y, b.a_e[e], b.grad_w2_e[e], worker=worker)
-    gemm.linear_tn(grad_h, b.x_e[e], b.grad_w1_e[e], worker=worker)
+    gemm.linear(grad_h, w1_t[e], None, b.grad_x_e[e])
+    gemm.linear_tn(grad_y, b.a_e[e], b.grad_w2_e[e])
+    gemm.linear_tn(grad_h, b.x_e[e], b.grad_w1_e[e])
     if has_bias:
         torch.sum(grad_y, 0, out=b.grad_b2_e[e])
         torch.sum(grad_h, 0, out=b.grad_b1_e[e])
@@ -202,10 +202,9 @@ class _ConcurrentMLP(torch.autograd.Function):
         x_e, h_e, a_e, y_e = (t.split(counts) for t in (x_NM, h_NH, a_NH, y_NM))
 
         def expert(e):
-            worker = threads.on_worker()  # a lone item runs in the caller, on all its threads
-            gemm.linear(x_e[e], w1[e], b1[e], h_e[e], worker=worker)
+            gemm.linear(x_e[e], w1[e], b1[e], h_e[e])
             _activate(name, approximate, h_e[e], a_e[e])
-            gemm.linear(a_e[e], w2[e], b2[e], y_e[e], worker=worker)
+            gemm.linear(a_e[e], w2[e], b2[e], y_e[e])
 
         threads.run_each(expert, _largest_first(counts))
         _save(ctx, x_NM, weight1, weight2, h_NH, a_NH, counts, activation, bias1 is not None)
@@ -218,10 +217,9 @@ class _ConcurrentMLP(torch.autograd.Function):
         w1_t, w2_t = b.weight1.transpose(1, 2).unbind(0), b.weight2.transpose(1, 2).unbind(0)
 
         def expert(e):
-            worker = threads.on_worker()
-            gemm.linear(b.grad_y_e[e], w2_t[e], None, b.grad_h_e[e], worker=worker)
+            gemm.linear(b.grad_y_e[e], w2_t[e], None, b.grad_h_e[e])
             _activation_backward(*ctx.activation, b.grad_h_e[e], b.h_e[e], b.a_e[e], b.grad_h_e[e])
-            _expert_gradients(b, e, w1_t, ctx.has_bias, worker)
+            _expert_gradients(b, e, w1_t, ctx.has_bias)
 
         threads.run_each(expert, _largest_first(ctx.counts))
         return _gradients(b)

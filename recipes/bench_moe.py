@@ -150,12 +150,12 @@ def expert_matmuls(counts: list[int], cfg: BenchConfig, device, ours: bool):
     def run_concurrent():  # experts side by side on single-threaded workers, products measured there
         def expert(item):
             e, rows = item
-            gemm.linear(x[rows], w1[e], b1[e], out=h[rows], worker=True)
-            gemm.linear(a[rows], w2[e], b2[e], out=y[rows], worker=True)
-            gemm.linear(gy[rows], w2[e].t(), out=ga[rows], worker=True)
-            gemm.linear(gh[rows], w1[e].t(), out=gx[rows], worker=True)
-            gemm.linear_tn(gy[rows], a[rows], out=gw2[e], worker=True)
-            gemm.linear_tn(gh[rows], x[rows], out=gw1[e], worker=True)
+            gemm.linear(x[rows], w1[e], b1[e], out=h[rows])
+            gemm.linear(a[rows], w2[e], b2[e], out=y[rows])
+            gemm.linear(gy[rows], w2[e].t(), out=ga[rows])
+            gemm.linear(gh[rows], w1[e].t(), out=gx[rows])
+            gemm.linear_tn(gy[rows], a[rows], out=gw2[e])
+            gemm.linear_tn(gh[rows], x[rows], out=gw1[e])
 
         threads.run_each(expert, sorted(((e, rows) for e, rows in experts if rows.stop > rows.start),
                                         key=lambda item: item[1].start - item[1].stop))
