@@ -109,42 +109,51 @@ def _forward_buffers(x_NM, weight1, weight2, name: str) -> tuple:
     return h_NH, a_NH, workspace.empty((N, M_out), x_NM.dtype, x_NM.device)
 
 
-def _save(ctx, x_NM, weight1, weight2, h_NH, a_NH, counts, activation, has_bias: bool) -> None:
-    ctx.counts, ctx.activation, ctx.has_bias = counts, activation, has_bias
+def _save(ctx, x_NM, weight1, weight2, h_NH, a_NH, counts, activation) -> None:
+    ctx.counts, ctx.activation = counts, activation
     ctx.save_for_backward(x_NM, weight1, weight2, a_NH, *([h_NH] if h_NH is not a_NH else []))
 
 
 def _backward_buffers(ctx, grad_y_NM) -> SimpleNamespace:
-    """The backward's saved tensors and gradient buffers, whole and as each expert's rows (`*_e`).
+    """The backward's saved tensors and the gradient buffers autograd asked for (None where an input
+    needs no gradient), whole and as each expert's rows (`*_e`).
 
     Weight and bias gradients are zero for experts that got no rows; the rest is written by the products.
+    grad_h is made when x, W1 or b1 needs a gradient (`b.needs_h`).
     """
     x_NM, weight1, weight2, a_NH, *kept = ctx.saved_tensors
     counts = ctx.counts
+    needs_x, needs_w1, needs_b1, needs_w2, needs_b2 = ctx.needs_input_grad[:5]
+    none = (None,) * len(counts)
     b = SimpleNamespace(x_NM=x_NM, weight1=weight1, weight2=weight2, a_NH=a_NH, h_NH=kept[0] if kept else None,
-                        grad_y_NM=grad_y_NM.contiguous(), grad_h_NH=workspace.empty_like(a_NH),
-                        grad_x_NM=workspace.empty_like(x_NM), grad_w1=_grad_like(weight1, counts),
-                        grad_w2=_grad_like(weight2, counts), grad_b1=None, grad_b2=None)
-    if ctx.has_bias:
-        b.grad_b1 = _grad_like(weight1.new_empty(weight1.shape[:2]), counts)
-        b.grad_b2 = _grad_like(weight2.new_empty(weight2.shape[:2]), counts)
+                        grad_y_NM=grad_y_NM.contiguous(), needs_h=needs_x or needs_w1 or needs_b1)
+    b.grad_h_NH = workspace.empty_like(a_NH) if b.needs_h else None
+    b.grad_x_NM = workspace.empty_like(x_NM) if needs_x else None
+    b.grad_w1 = _grad_like(weight1, counts) if needs_w1 else None
+    b.grad_w2 = _grad_like(weight2, counts) if needs_w2 else None
+    b.grad_b1 = _grad_like(weight1.new_empty(weight1.shape[:2]), counts) if needs_b1 else None
+    b.grad_b2 = _grad_like(weight2.new_empty(weight2.shape[:2]), counts) if needs_b2 else None
     # each expert's rows as views made in one call per tensor: the loops issue products, not slicing
-    b.grad_y_e, b.grad_h_e, b.grad_x_e, b.x_e, b.a_e = (
-        t.split(counts) for t in (b.grad_y_NM, b.grad_h_NH, b.grad_x_NM, x_NM, a_NH))
-    b.h_e = b.h_NH.split(counts) if b.h_NH is not None else (None,) * len(counts)
-    b.grad_w1_e, b.grad_w2_e = b.grad_w1.unbind(0), b.grad_w2.unbind(0)
-    b.grad_b1_e, b.grad_b2_e = (None, None) if b.grad_b1 is None else (b.grad_b1.unbind(0), b.grad_b2.unbind(0))
+    b.grad_y_e, b.grad_h_e, b.grad_x_e, b.x_e, b.a_e, b.h_e = (
+        none if t is None else t.split(counts) for t in (b.grad_y_NM, b.grad_h_NH, b.grad_x_NM, x_NM, a_NH, b.h_NH))
+    b.grad_w1_e, b.grad_w2_e, b.grad_b1_e, b.grad_b2_e = (
+        none if t is None else t.unbind(0) for t in (b.grad_w1, b.grad_w2, b.grad_b1, b.grad_b2))
     return b
 
 
-def _expert_gradients(b: SimpleNamespace, e: int, w1_t, has_bias: bool) -> None:
-    """Expert e's input, weight and bias gradients from its grad_h rows (activation backward done)."""
+def _expert_gradients(b: SimpleNamespace, e: int, w1_t) -> None:
+    """Expert e's input, weight and bias gradients that autograd asked for, from its grad_h rows
+    (activation backward done)."""
     grad_y, grad_h = b.grad_y_e[e], b.grad_h_e[e]
-    gemm.linear(grad_h, w1_t[e], None, b.grad_x_e[e])
-    gemm.linear_tn(grad_y, b.a_e[e], b.grad_w2_e[e])
-    gemm.linear_tn(grad_h, b.x_e[e], b.grad_w1_e[e])
-    if has_bias:
+    if b.grad_x_NM is not None:
+        gemm.linear(grad_h, w1_t[e], None, b.grad_x_e[e])
+    if b.grad_w2 is not None:
+        gemm.linear_tn(grad_y, b.a_e[e], b.grad_w2_e[e])
+    if b.grad_w1 is not None:
+        gemm.linear_tn(grad_h, b.x_e[e], b.grad_w1_e[e])
+    if b.grad_b2 is not None:
         torch.sum(grad_y, 0, out=b.grad_b2_e[e])
+    if b.grad_b1 is not None:
         torch.sum(grad_h, 0, out=b.grad_b1_e[e])
 
 
@@ -165,7 +174,7 @@ class _PerExpertMLP(torch.autograd.Function):
         _activate(name, approximate, h_NH, a_NH)  # one call for every row: faster than one per expert
         for e in experts:
             gemm.linear(a_e[e], w2[e], b2[e], out=y_e[e])
-        _save(ctx, x_NM, weight1, weight2, h_NH, a_NH, counts, activation, bias1 is not None)
+        _save(ctx, x_NM, weight1, weight2, h_NH, a_NH, counts, activation)
         return y_NM
 
     @staticmethod
@@ -177,11 +186,12 @@ class _PerExpertMLP(torch.autograd.Function):
         b = _backward_buffers(ctx, grad_y_NM)
         w1_t, w2_t = b.weight1.transpose(1, 2).unbind(0), b.weight2.transpose(1, 2).unbind(0)
         experts = _nonempty(ctx.counts)
+        if b.needs_h:
+            for e in experts:
+                gemm.linear(b.grad_y_e[e], w2_t[e], None, b.grad_h_e[e])
+            _activation_backward(*ctx.activation, b.grad_h_NH, b.h_NH, b.a_NH, b.grad_h_NH)
         for e in experts:
-            gemm.linear(b.grad_y_e[e], w2_t[e], None, b.grad_h_e[e])
-        _activation_backward(*ctx.activation, b.grad_h_NH, b.h_NH, b.a_NH, b.grad_h_NH)
-        for e in experts:
-            _expert_gradients(b, e, w1_t, ctx.has_bias)
+            _expert_gradients(b, e, w1_t)
         return _gradients(b)
 
 
@@ -207,7 +217,7 @@ class _ConcurrentMLP(torch.autograd.Function):
             gemm.linear(a_e[e], w2[e], b2[e], y_e[e])
 
         threads.run_each(expert, _largest_first(counts))
-        _save(ctx, x_NM, weight1, weight2, h_NH, a_NH, counts, activation, bias1 is not None)
+        _save(ctx, x_NM, weight1, weight2, h_NH, a_NH, counts, activation)
         return y_NM
 
     @staticmethod
@@ -217,9 +227,10 @@ class _ConcurrentMLP(torch.autograd.Function):
         w1_t, w2_t = b.weight1.transpose(1, 2).unbind(0), b.weight2.transpose(1, 2).unbind(0)
 
         def expert(e):
-            gemm.linear(b.grad_y_e[e], w2_t[e], None, b.grad_h_e[e])
-            _activation_backward(*ctx.activation, b.grad_h_e[e], b.h_e[e], b.a_e[e], b.grad_h_e[e])
-            _expert_gradients(b, e, w1_t, ctx.has_bias)
+            if b.needs_h:
+                gemm.linear(b.grad_y_e[e], w2_t[e], None, b.grad_h_e[e])
+                _activation_backward(*ctx.activation, b.grad_h_e[e], b.h_e[e], b.a_e[e], b.grad_h_e[e])
+            _expert_gradients(b, e, w1_t)
 
         threads.run_each(expert, _largest_first(ctx.counts))
         return _gradients(b)
@@ -250,7 +261,7 @@ class _GroupedGemmMLP(torch.autograd.Function):
         y_NM = grouped_mm(a_NH, weight2.transpose(1, 2), counts_L)
         if bias2 is not None:
             y_NM += bias2.index_select(0, expert_N)
-        ctx.activation, ctx.has_bias = activation, bias1 is not None
+        ctx.activation = activation
         ctx.save_for_backward(x_NM, weight1, weight2, h_NH, a_NH, counts_L)
         return y_NM
 
@@ -259,18 +270,27 @@ class _GroupedGemmMLP(torch.autograd.Function):
     def backward(ctx, grad_y_NM):
         x_NM, weight1, weight2, h_NH, a_NH, counts_L = ctx.saved_tensors
         name, approximate = ctx.activation
+        needs_x, needs_w1, needs_b1, needs_w2, needs_b2 = ctx.needs_input_grad[:5]
         grad_y_NM = grad_y_NM.contiguous()
-        grad_h_NH = grouped_mm(grad_y_NM, weight2, counts_L)
-        _activation_backward(name, approximate, grad_h_NH, h_NH, a_NH, grad_h_NH)
-        grad_x_NM = grouped_mm(grad_h_NH, weight1, counts_L)
-        grad_w2 = grouped_mm_t(grad_y_NM, a_NH, counts_L)
-        grad_w1 = grouped_mm_t(grad_h_NH, x_NM, counts_L)
-        grad_b1 = grad_b2 = None
-        if ctx.has_bias:  # per-expert sums without atomics; one more segment holds the padding rows
+        grad_x_NM = grad_w1 = grad_b1 = grad_w2 = grad_b2 = grad_h_NH = None
+        if needs_x or needs_w1 or needs_b1:
+            grad_h_NH = grouped_mm(grad_y_NM, weight2, counts_L)
+            _activation_backward(name, approximate, grad_h_NH, h_NH, a_NH, grad_h_NH)
+        if needs_x:
+            grad_x_NM = grouped_mm(grad_h_NH, weight1, counts_L)
+        if needs_w2:
+            grad_w2 = grouped_mm_t(grad_y_NM, a_NH, counts_L)
+        if needs_w1:
+            grad_w1 = grouped_mm_t(grad_h_NH, x_NM, counts_L)
+        if needs_b1 or needs_b2:  # per-expert sums without atomics; one more segment holds the padding rows
             padding = (x_NM.shape[0] - counts_L.sum()).reshape(1)
             lengths, L = torch.cat([counts_L, padding]), counts_L.shape[0]
-            grad_b2 = torch.segment_reduce(grad_y_NM.float(), "sum", lengths=lengths, unsafe=True).narrow(0, 0, L).to(weight2.dtype)
-            grad_b1 = torch.segment_reduce(grad_h_NH.float(), "sum", lengths=lengths, unsafe=True).narrow(0, 0, L).to(weight1.dtype)
+
+            def expert_sums(grad_NX, dtype):
+                return torch.segment_reduce(grad_NX.float(), "sum", lengths=lengths, unsafe=True).narrow(0, 0, L).to(dtype)
+
+            grad_b2 = expert_sums(grad_y_NM, weight2.dtype) if needs_b2 else None
+            grad_b1 = expert_sums(grad_h_NH, weight1.dtype) if needs_b1 else None
         return grad_x_NM, grad_w1, grad_b1, grad_w2, grad_b2, None, None
 
 
@@ -346,7 +366,13 @@ def _measured_plan(x_NM, weight1, bias1, weight2, bias2, counts: list[int], acti
     if (x_NM.device.type != "cpu" or not gemm.measuring(x_NM.dtype)
             or not gemm.worth_measuring(x_NM.shape[0] * (M * H + H * weight2.shape[1]))):
         return "per_expert"
-    key = gemm.shape_key("mlp", x_NM.shape[0], (L, M, H, weight2.shape[1]), x_NM.dtype, bias1)
+    operands = [t for t in (x_NM, weight1, bias1, weight2, bias2) if t is not None]
+    # the gradients autograd will ask for decide the backward's work (no input gradient: one product
+    # fewer), so they are part of the class; without any (no_grad), a full backward is timed as before
+    needs = [t.requires_grad for t in operands] if torch.is_grad_enabled() else []
+    needs = needs if any(needs) else [True] * len(operands)
+    kind = "mlp" if all(needs) else "mlp@grads=" + "".join("01"[need] for need in needs)
+    key = gemm.shape_key(kind, x_NM.shape[0], (L, M, H, weight2.shape[1]), x_NM.dtype, bias1)
     native = runs_natively(x_NM, weight1)
     kept = gemm.kept(key)
     if kept in _PLANS and (kept != "grouped" or native):  # kept: it stands (concurrent runs on any thread count)
@@ -358,13 +384,14 @@ def _measured_plan(x_NM, weight1, bias1, weight2, bias2, counts: list[int], acti
         candidates.append("concurrent")
     if len(candidates) == 1 or torch.is_inference_mode_enabled():  # inference: no backward can run to be timed
         return "per_expert"
-    inputs = [t.detach().requires_grad_() for t in (x_NM, weight1, bias1, weight2, bias2) if t is not None]
+    leaves = [t.detach().requires_grad_(need) for t, need in zip(operands, needs)]
+    inputs = [t for t in leaves if t.requires_grad]
 
     def forward_backward(function):
         def run():
             with torch.enable_grad():
-                leaves = iter(inputs)
-                args = [None if t is None else next(leaves) for t in (x_NM, weight1, bias1, weight2, bias2)]
+                operand = iter(leaves)
+                args = [None if t is None else next(operand) for t in (x_NM, weight1, bias1, weight2, bias2)]
                 y_NM = function.apply(*args, counts, activation)
                 torch.autograd.grad(y_NM, inputs, y_NM.detach())
         return run

@@ -10,6 +10,11 @@ keeps between steps),
 and the time of the experts' matrix products alone on the rows each layer actually multiplies
 (routed tokens for ours, the full capacity buffer for DeepSpeed), issued as each layer issues them
 (see `expert_matmuls`), and that time as a share of the layer's step.
+
+By default the input needs no gradient, as for a model's first layer: both layers' backward then
+skip the input gradient of the experts' first product (autograd does for DeepSpeed's nn.Linear; ours
+asks `ctx.needs_input_grad`), five products per expert instead of six. --input-grad times the layer
+as it runs after other layers, with all six.
 """
 
 import math
@@ -17,7 +22,7 @@ import os
 import statistics
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -45,6 +50,9 @@ class BenchConfig:
     warmup: int = 5
     seed: int = 0
     deepspeed: str = "auto"
+    input_grad: bool = field(default=False, metadata={
+        "help": "the input needs a gradient, as for a layer after others in a model (six products per expert "
+                "in the backward, not five)"})
     device: str = "cuda" if torch.cuda.is_available() else "cpu"
 
 
@@ -80,11 +88,12 @@ def _sync(device):
 
 
 def layer_step(layer: nn.Module, x: torch.Tensor):
-    """One forward+backward of the layer (output and l_aux), gradients set to None first."""
+    """One forward+backward of the layer (output and l_aux), gradients (the input's too) set to None first."""
     grad_out = torch.randn_like(x)
 
     def step():
         layer.zero_grad(set_to_none=True)
+        x.grad = None
         out, l_aux, _ = layer(x)
         torch.autograd.backward([out, l_aux], [grad_out, torch.ones_like(l_aux)])
 
@@ -118,7 +127,8 @@ def time_interleaved(steps: dict, cfg: BenchConfig, device) -> dict:
 
 def expert_matmuls(counts: list[int], cfg: BenchConfig, device, ours: bool):
     """The experts' products of one forward+backward, alone, as each layer issues them (forward products
-    with their biases, as both layers' products add them).
+    with their biases, as both layers' products add them); the input gradient of the first product
+    only with --input-grad, as both layers' backward computes it only then.
 
     Ours: per expert through `kernels.gemm` into preallocated outputs, with the backends the layer's
     products were measured to use (or one grouped GEMM per product, or experts side by side on worker
@@ -137,34 +147,31 @@ def expert_matmuls(counts: list[int], cfg: BenchConfig, device, ours: bool):
     b1, b2 = torch.randn(len(counts), H, device=device, dtype=dtype), torch.randn(len(counts), M, device=device, dtype=dtype)
     experts = _whole(counts)
 
+    def expert_products(e, rows):
+        gemm.linear(x[rows], w1[e], b1[e], out=h[rows])  # forward: x W1^T + b1, a W2^T + b2
+        gemm.linear(a[rows], w2[e], b2[e], out=y[rows])
+        gemm.linear(gy[rows], w2[e].t(), out=ga[rows])  # backward: input and weight gradients
+        if cfg.input_grad:
+            gemm.linear(gh[rows], w1[e].t(), out=gx[rows])
+        gemm.linear_tn(gy[rows], a[rows], out=gw2[e])
+        gemm.linear_tn(gh[rows], x[rows], out=gw1[e])
+
     def run_ours():
         for e, rows in experts:
             if rows.stop > rows.start:
-                gemm.linear(x[rows], w1[e], b1[e], out=h[rows])  # forward: x W1^T + b1, a W2^T + b2
-                gemm.linear(a[rows], w2[e], b2[e], out=y[rows])
-                gemm.linear(gy[rows], w2[e].t(), out=ga[rows])  # backward: input and weight gradients
-                gemm.linear(gh[rows], w1[e].t(), out=gx[rows])
-                gemm.linear_tn(gy[rows], a[rows], out=gw2[e])
-                gemm.linear_tn(gh[rows], x[rows], out=gw1[e])
+                expert_products(e, rows)
 
     def run_concurrent():  # experts side by side on single-threaded workers, products measured there
-        def expert(item):
-            e, rows = item
-            gemm.linear(x[rows], w1[e], b1[e], out=h[rows])
-            gemm.linear(a[rows], w2[e], b2[e], out=y[rows])
-            gemm.linear(gy[rows], w2[e].t(), out=ga[rows])
-            gemm.linear(gh[rows], w1[e].t(), out=gx[rows])
-            gemm.linear_tn(gy[rows], a[rows], out=gw2[e])
-            gemm.linear_tn(gh[rows], x[rows], out=gw1[e])
-
-        threads.run_each(expert, sorted(((e, rows) for e, rows in experts if rows.stop > rows.start),
-                                        key=lambda item: item[1].start - item[1].stop))
+        threads.run_each(lambda item: expert_products(*item),
+                         sorted(((e, rows) for e, rows in experts if rows.stop > rows.start),
+                                key=lambda item: item[1].start - item[1].stop))
 
     def run_grouped():
         grouped_mm(x, w1.transpose(1, 2), counts)
         grouped_mm(a, w2.transpose(1, 2), counts)
         grouped_mm(gy, w2, counts)
-        grouped_mm(gh, w1, counts)
+        if cfg.input_grad:
+            grouped_mm(gh, w1, counts)
         grouped_mm_t(gy, a, counts)
         grouped_mm_t(gh, x, counts)
 
@@ -175,13 +182,14 @@ def expert_matmuls(counts: list[int], cfg: BenchConfig, device, ours: bool):
         for e, rows in experts:
             torch.mm(gy[rows], w2[e])
             torch.mm(gy[rows].t(), h[rows])
-            torch.mm(gh[rows], w1[e])
+            if cfg.input_grad:
+                torch.mm(gh[rows], w1[e])
             torch.mm(gh[rows].t(), x[rows])
 
     if not ours:
         return run_deepspeed
-    plans = chosen_backends()
-    return run_grouped if "mlp:grouped" in plans else run_concurrent if "mlp:concurrent" in plans else run_ours
+    plans = {choice for key, choice in gemm.choices().items() if key.startswith("mlp")}  # the layer's plan
+    return run_grouped if "grouped" in plans else run_concurrent if "concurrent" in plans else run_ours
 
 
 def chosen_backends() -> str:
@@ -239,7 +247,7 @@ def main(argv=None) -> dict:
     device, dtype = torch.device(cfg.device), DTYPES[cfg.dtype]
     torch.manual_seed(cfg.seed)
     expert = make_expert(cfg)
-    x = torch.randn(cfg.tokens, cfg.hidden, device=device, dtype=dtype)
+    x = torch.randn(cfg.tokens, cfg.hidden, device=device, dtype=dtype).requires_grad_(cfg.input_grad)
     ours = MoE(cfg.hidden, expert, num_experts=cfg.experts, k=cfg.k, capacity_factor=cfg.capacity_factor).to(device, dtype)
     ours.deepspeed_moe.gate.float()
     layers = {"ours": ours}

@@ -19,10 +19,11 @@ def test_demo_trains_and_the_moe_beats_its_dense_twin():
     assert result["moe"] < result["dense"]
 
 
-def test_benchmark_prints_the_figures_it_returns(capsys):
+@pytest.mark.parametrize("flags", [[], ["--input-grad"]], ids=["first-layer", "input-grad"])
+def test_benchmark_prints_the_figures_it_returns(capsys, flags):
     tokens, k = 256, 2
     results = bench_moe.main(["--tokens", str(tokens), "--hidden", "32", "--ffn", "64", "--experts", "4", "--k", str(k),
-                              "--steps", "2", "--warmup", "1", "--deepspeed", "off"])
+                              "--steps", "2", "--warmup", "1", "--deepspeed", "off", *flags])
     row = re.search(r"^ours +([0-9.]+) ms/step +([0-9.]+) tokens/s  peak +([0-9.]+) MiB  expert matmuls alone +"
                     r"([0-9.]+) ms on (\d+) rows = +([0-9.]+)% of the step$", capsys.readouterr().out, re.MULTILINE)
     assert row, "the row of our layer"
