@@ -19,7 +19,10 @@ Three implementations, equal up to the order of fp32 sums:
   alternating runs); on a 2-core AMD EPYC with AVX-512 one-thread oneDNN products made the layer 2.2%
   faster than one-thread BLAS at 16 experts. Offered only for large layers (see CONCURRENT_FROM).
 On the CPU with `use_grouped_gemm=None` the candidates are timed on the first batch of each shape
-class and the fastest is kept (see `kernels.gemm`). The backward is first-order only.
+class and the fastest is kept (see `kernels.gemm`). The backward is first-order only, and computes
+only the gradients autograd asks for (`ctx.needs_input_grad`): rows that need no gradient (a model's
+first layer) save the input-gradient product per expert, frozen weights their products and sums, as
+autograd saves them for nn.Linear.
 """
 
 from types import SimpleNamespace
