@@ -370,9 +370,11 @@ def _measured_plan(x_NM, weight1, bias1, weight2, bias2, counts: list[int], acti
             or not gemm.worth_measuring(x_NM.shape[0] * (M * H + H * weight2.shape[1]))):
         return "per_expert"
     operands = [t for t in (x_NM, weight1, bias1, weight2, bias2) if t is not None]
-    # the gradients autograd will ask for decide the backward's work (no input gradient: one product
-    # fewer), so they are part of the class; without any (no_grad), a full backward is timed as before
-    needs = [t.requires_grad for t in operands] if torch.is_grad_enabled() else []
+    # the gradients a training step asks for decide the backward's work (no input gradient: one
+    # product fewer), so they are part of the class; read from requires_grad, not the grad mode, so an
+    # evaluation forward (no_grad) takes the plan of the training forwards of the same layer; with
+    # nothing requiring a gradient at all, a full backward is timed
+    needs = [t.requires_grad for t in operands]
     needs = needs if any(needs) else [True] * len(operands)
     kind = "mlp" if all(needs) else "mlp@grads=" + "".join("01"[need] for need in needs)
     key = gemm.shape_key(kind, x_NM.shape[0], (L, M, H, weight2.shape[1]), x_NM.dtype, bias1)

@@ -194,7 +194,7 @@ def test_the_first_forward_under_inference_mode_runs_without_measuring_the_plan(
     x = torch.randn(2, 12, 16)
     with torch.inference_mode():
         y = layer(x)[0]
-    assert not any(key.startswith("mlp|") for key in gemm.choices())
+    assert not any(key.startswith("mlp") for key in gemm.choices())
     with torch.no_grad():
         torch.testing.assert_close(y, layer(x)[0], **FP32)
 

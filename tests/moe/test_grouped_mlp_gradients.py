@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import gemm, threads
+from kernels import gemm, threads, workspace
 from moe import grouped_mlp as grouped_mlp_module
 from moe.grouped_mlp import grouped_mlp
 
@@ -21,6 +21,9 @@ COUNTS = [9, 0, 17, 3, 11]
 
 @pytest.fixture(autouse=True)
 def _fresh_choices(monkeypatch):
+    # buffers start as NaN: a row or gradient the backward does not write shows
+    monkeypatch.setattr(workspace, "empty", lambda shape, dtype, device="cpu": torch.full(shape, float("nan"), dtype=dtype))
+    monkeypatch.setattr(workspace, "empty_like", lambda t: torch.full_like(t, float("nan")))
     monkeypatch.delenv("MOE_CPU_GEMM", raising=False)
     monkeypatch.delenv("MOE_CPU_GEMM_CACHE", raising=False)
     before = torch.get_num_threads()
@@ -70,28 +73,38 @@ def test_only_the_gradients_asked_for_are_computed_and_they_are_exact(plan, need
     full = _gradients(_plan(plan), _operands(set(NAMES)))
     want = _gradients(_reference, _operands(set(NAMES)))
     got = _gradients(_plan(plan), _operands(needs))
-    assert set(got) == {"y"} | needs
     for name, value in got.items():
         assert torch.equal(value, full[name]), f"{plan}: {name} differs from the full backward's"
         torch.testing.assert_close(value, want[name], **FP32)
 
 
-@pytest.mark.parametrize("plan", ("per_expert", "concurrent"))
-def test_an_input_that_needs_no_gradient_saves_a_product_per_expert(plan, monkeypatch):
+# work per expert (per expert, concurrent) or per layer (grouped) for each set of gradients asked for:
+# forward 2 products; backward grad_h = grad_y W2 (for x, W1 or b1), grad_x = grad_h W1, the weight
+# gradients grad_y^T a and grad_h^T x, the bias sums of grad_y and grad_h
+WORK = {  # needs: (products, weight-gradient products, bias sums)
+    "all": (4, 2, 2), "no-x": (3, 2, 2), "w2+b2": (2, 1, 1), "b2": (2, 0, 1), "w1": (3, 1, 0), "x": (4, 0, 0)}
+NEEDS = {"all": set(NAMES), "no-x": set(NAMES) - {"x"}, "w2+b2": {"w2", "b2"}, "b2": {"b2"}, "w1": {"w1"},
+         "x": {"x"}}
+
+
+@pytest.mark.parametrize("plan", PLANS)
+@pytest.mark.parametrize("case", WORK)
+def test_gradients_not_asked_for_cost_no_products_or_sums(plan, case, monkeypatch):
     issued = []
-    for name in ("linear", "linear_tn"):
-        real = getattr(gemm, name)
-        monkeypatch.setattr(gemm, name, lambda *a, real=real, name=name, **k: issued.append(name) or real(*a, **k))
-    experts = sum(1 for count in COUNTS if count)
-    counts = {}
-    for needs in (set(NAMES), set(NAMES) - {"x"}, {"w2", "b2"}):
-        issued.clear()
-        _gradients(_plan(plan), _operands(needs, bias=False))
-        counts[frozenset(needs)] = issued.count("linear"), issued.count("linear_tn")
-    # forward 2 linear per expert; backward: grad_h (linear), grad_x (linear), grad_w2 and grad_w1 (linear_tn)
-    assert counts[frozenset(NAMES)] == (4 * experts, 2 * experts)
-    assert counts[frozenset(set(NAMES) - {"x"})] == (3 * experts, 2 * experts)
-    assert counts[frozenset({"w2", "b2"})] == (2 * experts, 1 * experts)  # grad_w2 only: no grad_h at all
+
+    def counting(module, name, label):
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, **k: issued.append(label) or real(*a, **k))
+
+    if plan == "grouped":  # one call per layer for all experts
+        counting(grouped_mlp_module, "grouped_mm", "product"), counting(grouped_mlp_module, "grouped_mm_t", "weight")
+        counting(torch, "segment_reduce", "sum")
+        times = 1
+    else:  # one call per expert with rows
+        counting(gemm, "linear", "product"), counting(gemm, "linear_tn", "weight"), counting(torch, "sum", "sum")
+        times = sum(1 for count in COUNTS if count)
+    _gradients(_plan(plan), _operands(NEEDS[case]))
+    assert tuple(issued.count(label) for label in ("product", "weight", "sum")) == tuple(times * n for n in WORK[case])
 
 
 def test_the_layer_plan_is_measured_for_the_gradients_asked_for(monkeypatch):
@@ -109,3 +122,16 @@ def test_the_layer_plan_is_measured_for_the_gradients_asked_for(monkeypatch):
     kinds = sorted(key.split("|")[0] for key in gemm.choices() if key.startswith("mlp"))
     assert kinds == ["mlp", "mlp@grads=01111"]
     assert threads.workers() == 2
+
+
+def test_an_evaluation_forward_takes_the_plan_of_its_training_forwards(monkeypatch):
+    """Under no_grad the class still follows which operands require a gradient: no second class, no second timing."""
+    if not gemm.measuring(torch.float32):
+        pytest.skip("this torch build has no oneDNN linear: products always use BLAS, no plan is measured")
+    monkeypatch.setattr(gemm, "MEASURE_FROM", 0)
+    operands = _operands(set(NAMES) - {"x"})  # a first layer: its input needs no gradient
+    train = _gradients(lambda *a: grouped_mlp(*a, COUNTS, "gelu", use_grouped_gemm=None), operands)
+    with torch.no_grad():
+        evaluation = grouped_mlp(*operands.values(), COUNTS, "gelu", use_grouped_gemm=None)
+    assert [key.split("|")[0] for key in gemm.choices() if key.startswith("mlp")] == ["mlp@grads=01111"]
+    assert torch.equal(evaluation, train["y"])
