@@ -24,8 +24,8 @@ def _layer(compute, ep_size=1, **kwargs):
     return MoE(16, expert, num_experts=4, ep_size=ep_size, k=2, expert_layout=compute, min_capacity=0, **kwargs)
 
 
-def _count(layer, tokens=24, device="cpu"):
-    x = torch.randn(tokens, 16, device=device, requires_grad=True)
+def _count(layer, tokens=24, device="cpu", input_grad=True):
+    x = torch.randn(tokens, 16, device=device, requires_grad=input_grad)
     with count_syncs() as counter:
         out, l_aux, _ = layer(x)
         (out.square().sum() + l_aux).backward()
@@ -52,6 +52,9 @@ def test_gate_and_padded_layout_make_no_sync(cuda_branches, k_kwargs):
 def test_grouped_without_expert_parallelism_makes_no_sync(cuda_branches):
     assert _count(_layer("grouped")) == []
     assert _count(_layer("grouped", dropless=True)) == []
+    # a first layer: the backward skips the input gradient and still reads nothing on the host
+    assert _count(_layer("grouped"), input_grad=False) == []
+    assert _count(_layer("grouped", dropless=True), input_grad=False) == []
 
 
 def test_packed_and_dropless_padded_make_one_sync_per_layer(cuda_branches):
@@ -70,10 +73,13 @@ def test_padded_and_grouped_layers_run_forward_and_backward_on_meta(compute, mon
     monkeypatch.setenv("MOE_KERNELS", "triton")
     with torch.device("meta"):
         layer = _layer(compute)
-    x = torch.randn(24, 16, device="meta", requires_grad=True)  # any host read here would raise
-    out, l_aux, _ = layer(x)
-    (out.square().sum() + l_aux).backward()
-    assert out.device.type == "meta" and layer.deepspeed_moe.experts.weight1.grad.shape == (4, 32, 16)
+    for input_grad in (True, False):  # with and without the input's gradient (a first layer)
+        layer.zero_grad(set_to_none=True)
+        x = torch.randn(24, 16, device="meta", requires_grad=input_grad)  # any host read here would raise
+        out, l_aux, _ = layer(x)
+        (out.square().sum() + l_aux).backward()
+        assert out.device.type == "meta" and layer.deepspeed_moe.experts.weight1.grad.shape == (4, 32, 16)
+        assert layer.deepspeed_moe.experts.bias1.grad.shape == (4, 32) and (x.grad is not None) == input_grad
 
 
 def _expert_parallel_syncs(rank, world_size):
