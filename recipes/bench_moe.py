@@ -5,8 +5,8 @@
 
 Prints, for this project's layer (and DeepSpeed's MoE layer side by side when `deepspeed` is
 importable and --deepspeed is not "off"): ms per step (median), tokens/s, peak memory of a step (GPU:
-allocated bytes; CPU: growth of resident memory during the step, plus for ours the CPU workspace it
-keeps between steps),
+allocated bytes; CPU: the most bytes held at once by the storages the step creates or takes from the
+CPU workspace, see `peak_memory`),
 and the time of the experts' matrix products alone on the rows each layer actually multiplies
 (routed tokens for ours, the full capacity buffer for DeepSpeed), issued as each layer issues them
 (see `expert_matmuls`), and that time as a share of the layer's step.
@@ -20,15 +20,15 @@ as it runs after other layers, with all six.
 import math
 import os
 import statistics
-import threading
 import time
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from kernels import gemm, grouped_mm, grouped_mm_t, threads, workspace
+from kernels import gemm, grouped_mm, grouped_mm_t, threads
 from moe import MoE
+from optim.memory import LiveBytes
 from recipes.cli import flag_parser
 from recipes.training import cpu_name
 
@@ -56,32 +56,6 @@ class BenchConfig:
     device: str = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-class _PeakRSS:
-    """Peak resident memory above the starting point, sampled every millisecond (CPU runs)."""
-
-    def __enter__(self):
-        self.start = self.peak = _rss()
-        self.running = True
-        self.thread = threading.Thread(target=self._sample, daemon=True)
-        self.thread.start()
-        return self
-
-    def _sample(self):
-        while self.running:
-            self.peak = max(self.peak, _rss())
-            time.sleep(0.001)
-
-    def __exit__(self, *exc):
-        self.running = False
-        self.thread.join()
-        self.peak = max(self.peak, _rss())
-
-
-def _rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
 def _sync(device):
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -101,14 +75,22 @@ def layer_step(layer: nn.Module, x: torch.Tensor):
 
 
 def peak_memory(step, device) -> int:
-    """Peak memory of one step: allocated bytes on a GPU, resident growth on a CPU."""
+    """Peak memory of one step: allocated bytes on a GPU; elsewhere the most bytes held at once by the
+    storages the step creates (`optim.memory.LiveBytes`), measured apart from the timed steps.
+
+    Resident-memory growth cannot be used on the CPU: once the workspace has tuned glibc to keep freed
+    chunks (kernels.workspace), a step served from memory an earlier step freed grows nothing.
+    Workspace storages the step takes count as live from then on, as they stay held between steps.
+    Products run on the concurrent plan's worker threads are not seen (dispatch modes are
+    thread-local); they write into buffers made on the calling thread.
+    """
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
         step()
         return torch.cuda.max_memory_allocated()
-    with _PeakRSS() as rss:  # measured apart: the sampling thread would disturb timed steps
+    with LiveBytes() as tracker:
         step()
-    return rss.peak - rss.start
+    return tracker.peak
 
 
 def time_interleaved(steps: dict, cfg: BenchConfig, device) -> dict:
@@ -272,8 +254,6 @@ def main(argv=None) -> dict:
     results = {}
     for name, layer in layers.items():
         peak = peak_memory(steps[name], device)
-        if name == "ours" and device.type == "cpu":
-            peak += workspace.held_bytes()  # kept between steps, so not in the step's growth
         _report(name, ms[name], peak, ms[f"{name} matmuls"], sum(rows[name]), cfg)
         results[name] = {"ms": ms[name], "peak_bytes": peak, "matmul_ms": ms[f"{name} matmuls"]}
     if "deepspeed" in results:
