@@ -8,8 +8,10 @@ active parameters per token) and trained through the same engine with the same b
 the same TensorBoard statistics as the recipe does (to a temporary folder). Steps
 alternate between the two, so drift in the machine's speed hits both alike; the first --warmup
 steps of each are not timed (the CPU products are measured and chosen there, see `kernels.gemm`).
-Prints the CPU, the median ms per step, tokens/s and their ratio. Any other `recipes.gpt` flag
-passes through to both models.
+Prints the CPU, the median ms per step, tokens/s and their ratio, and the ratio step by step (each
+pair of adjacent steps: median, quartiles, and the median of each half of the run), which shows how
+far the figure can be trusted on a shared machine. Any other `recipes.gpt` flag passes through to
+both models.
 """
 
 import statistics
@@ -36,6 +38,18 @@ def _engine(cfg: gpt.TrainConfig):
     config = engine_config(gpt.engine_fragments(cfg), set(), cfg.config)
     engine, *_ = initialize(model, model_parameters=groups, config=config)
     return engine, model.parameter_counts()
+
+
+def _spread(dense: list[float], moe: list[float]) -> str:
+    """The ratio step by step: dense / MoE time of each pair of adjacent steps, its median and quartiles,
+    and its median over each half of the run (a shared machine's slow phases show as a gap between them)."""
+    pairs = [d / m for d, m in zip(dense, moe)]
+    if len(pairs) < 2:
+        return f"per-step pairs: {', '.join(f'{r:.3f}' for r in pairs)}"
+    q1, median, q3 = statistics.quantiles(pairs, n=4, method="inclusive")
+    half = len(pairs) // 2
+    return (f"per-step pairs (dense / MoE ms): median {median:.3f}, quartiles {q1:.3f}-{q3:.3f}; "
+            f"first half {statistics.median(pairs[:half]):.3f}, second half {statistics.median(pairs[half:]):.3f}")
 
 
 def main(argv=None) -> dict:
@@ -70,6 +84,7 @@ def main(argv=None) -> dict:
         results[name] = base.batch_size * base.seq_len / ms * 1e3
         print(f"{name:<6} {total:>10,} parameters {active:>10,} active  {ms:8.1f} ms/step  {results[name]:9.0f} tokens/s")
     print(f"MoE / dense tokens/s: {results['moe'] / results['dense']:.3f}")
+    print(_spread(times["dense"], times["moe"]))
     for engine, _ in engines.values():
         if engine.monitor is not None:
             engine.monitor.close()

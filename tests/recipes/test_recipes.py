@@ -304,6 +304,11 @@ def test_bench_gpt_times_both_models(capsys):
         assert ms == pytest.approx(8 * 32 / results[name] * 1e3, abs=0.051)  # 8 sequences of 32 tokens per step
     ratio = _numbers(r"^MoE / dense tokens/s: ([0-9.]+)$", out)
     assert ratio == [pytest.approx(results["moe"] / results["dense"], abs=5e-4)]
+    spread = re.search(r"^per-step pairs \(dense / MoE ms\): median ([0-9.]+), quartiles ([0-9.]+)-([0-9.]+); "
+                       r"first half ([0-9.]+), second half ([0-9.]+)$", out, re.MULTILINE)
+    assert spread, out
+    median, low, high, first, second = map(float, spread.groups())
+    assert 0 < low <= median <= high and min(first, second) <= high and max(first, second) >= low
 
 
 def test_a_diverging_run_stops_with_one_line_and_saves_no_nonfinite_weights(tmp_path, capsys):
