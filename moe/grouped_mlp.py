@@ -10,10 +10,10 @@ Three implementations, equal up to the order of fp32 sums:
   only the pre-activation is kept besides where the backward needs it (GELU, SiLU). The forward's
   activation runs once over every row, between the loops of products. The backward goes expert by
   expert: the hidden gradient of one expert's rows (grad_y W2, then the activation's backward) is
-  made in a buffer of the largest expert's rows and used at once for that expert's gradients, so
-  the backward never holds the hidden gradient of all N rows (128 MiB at N = 16384, H = 2048 in
-  fp32). On a 2-core AMD EPYC with AVX-512 this took the same time as one activation backward over
-  all rows (8 experts of [~1000, 256], forward and backward alike).
+  made in a buffer of the largest expert's rows (one per worker in the concurrent plan) and used at
+  once for that expert's gradients, so the backward never holds the hidden gradient of all N rows
+  (128 MiB at N = 16384, H = 2048 in fp32). On a 2-core AMD EPYC with AVX-512 this took the same
+  time as one activation backward over all rows (8 experts of [~1000, 256], forward and backward).
 - grouped: one grouped GEMM per layer for all experts (`kernels.grouped_gemm`).
 - concurrent (CPU): the per-expert work with experts side by side on single-threaded workers
   (`kernels.threads`), each product through the backend measured for its shape class on one thread
@@ -29,6 +29,7 @@ first layer) save the input-gradient product per expert, frozen weights their pr
 autograd saves them for nn.Linear.
 """
 
+import queue
 from types import SimpleNamespace
 
 import torch
@@ -240,14 +241,23 @@ class _ConcurrentMLP(torch.autograd.Function):
         b = _backward_buffers(ctx, grad_y_NM)
         w1_t, w2_t = b.weight1.transpose(1, 2).unbind(0), b.weight2.transpose(1, 2).unbind(0)
 
-        def expert(e):  # each worker's hidden gradient is its expert's rows only
-            grad_h = None
-            if b.needs_h:
-                rows = workspace.empty((ctx.counts[e], b.a_NH.shape[1]), b.a_NH.dtype, b.a_NH.device)
-                grad_h = _hidden_gradient(b, ctx.activation, e, w2_t, rows)
-            _expert_gradients(b, e, w1_t, grad_h)
+        order = _largest_first(ctx.counts)
+        # one hidden-gradient buffer of the largest expert's rows per worker, made here (so allocation
+        # trackers, which see only this thread, see them); an expert takes one and gives it back when done
+        buffers = queue.SimpleQueue()
+        if b.needs_h and order:
+            for _ in range(min(threads.workers(), len(order))):
+                buffers.put(workspace.empty((ctx.counts[order[0]], b.a_NH.shape[1]), b.a_NH.dtype, b.a_NH.device))
 
-        threads.run_each(expert, _largest_first(ctx.counts))
+        def expert(e):
+            if not b.needs_h:
+                _expert_gradients(b, e, w1_t, None)
+                return
+            buffer = buffers.get()
+            _expert_gradients(b, e, w1_t, _hidden_gradient(b, ctx.activation, e, w2_t, buffer[:ctx.counts[e]]))
+            buffers.put(buffer)
+
+        threads.run_each(expert, order)
         return _gradients(b)
 
 
