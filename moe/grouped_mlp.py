@@ -172,6 +172,31 @@ def _expert_gradients(b: SimpleNamespace, e: int, w1_t, grad_h: torch.Tensor | N
         torch.sum(grad_h, 0, out=b.grad_b1_e[e])
 
 
+def _expert_backward(ctx, b: SimpleNamespace, slots: int):
+    """The backward's work for one expert e, as a function of e, for up to `slots` experts at once.
+
+    Each running expert takes one of `slots` hidden-gradient buffers of the largest expert's rows and
+    gives it back when done. The buffers are made here, on the calling thread, so that allocation
+    trackers (which see only that thread) see them, and never [N, H] at once.
+    """
+    w1_t, w2_t = b.weight1.transpose(1, 2).unbind(0), b.weight2.transpose(1, 2).unbind(0)
+    experts = _nonempty(ctx.counts)
+    buffers = queue.SimpleQueue()
+    if b.needs_h:
+        for _ in range(min(slots, len(experts))):
+            buffers.put(workspace.empty((max(ctx.counts), b.a_NH.shape[1]), b.a_NH.dtype, b.a_NH.device))
+
+    def expert(e: int) -> None:
+        if not b.needs_h:
+            _expert_gradients(b, e, w1_t, None)
+            return
+        buffer = buffers.get()
+        _expert_gradients(b, e, w1_t, _hidden_gradient(b, ctx.activation, e, w2_t, buffer[:ctx.counts[e]]))
+        buffers.put(buffer)
+
+    return expert
+
+
 def _gradients(b: SimpleNamespace) -> tuple:
     return b.grad_x_NM, b.grad_w1, b.grad_b1, b.grad_w2, b.grad_b2, None, None
 
@@ -195,18 +220,12 @@ class _PerExpertMLP(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_y_NM):
-        # per expert grad_a = grad_y W2 (into grad_h's rows); grad_h = act'(.) * grad_a in place, for
-        # every row at once; per expert grad_x = grad_h W1, the weight gradients (reductions over the
-        # expert's rows) and the biases
+        # expert by expert: grad_h = act'(.) * (grad_y W2) in one buffer of the largest expert's rows,
+        # then grad_x = grad_h W1, the weight gradients (reductions over the expert's rows) and the biases
         b = _backward_buffers(ctx, grad_y_NM)
-        w1_t, w2_t = b.weight1.transpose(1, 2).unbind(0), b.weight2.transpose(1, 2).unbind(0)
-        counts, experts = ctx.counts, _nonempty(ctx.counts)
-        grad_h_CH = None  # one buffer of the largest expert's rows, used by every expert in turn
-        if b.needs_h and experts:
-            grad_h_CH = workspace.empty((max(counts), b.a_NH.shape[1]), b.a_NH.dtype, b.a_NH.device)
-        for e in experts:
-            grad_h = None if grad_h_CH is None else _hidden_gradient(b, ctx.activation, e, w2_t, grad_h_CH[:counts[e]])
-            _expert_gradients(b, e, w1_t, grad_h)
+        expert = _expert_backward(ctx, b, 1)
+        for e in _nonempty(ctx.counts):
+            expert(e)
         return _gradients(b)
 
 
@@ -239,25 +258,7 @@ class _ConcurrentMLP(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_y_NM):
         b = _backward_buffers(ctx, grad_y_NM)
-        w1_t, w2_t = b.weight1.transpose(1, 2).unbind(0), b.weight2.transpose(1, 2).unbind(0)
-
-        order = _largest_first(ctx.counts)
-        # one hidden-gradient buffer of the largest expert's rows per worker, made here (so allocation
-        # trackers, which see only this thread, see them); an expert takes one and gives it back when done
-        buffers = queue.SimpleQueue()
-        if b.needs_h and order:
-            for _ in range(min(threads.workers(), len(order))):
-                buffers.put(workspace.empty((ctx.counts[order[0]], b.a_NH.shape[1]), b.a_NH.dtype, b.a_NH.device))
-
-        def expert(e):
-            if not b.needs_h:
-                _expert_gradients(b, e, w1_t, None)
-                return
-            buffer = buffers.get()
-            _expert_gradients(b, e, w1_t, _hidden_gradient(b, ctx.activation, e, w2_t, buffer[:ctx.counts[e]]))
-            buffers.put(buffer)
-
-        threads.run_each(expert, order)
+        threads.run_each(_expert_backward(ctx, b, threads.workers()), _largest_first(ctx.counts))
         return _gradients(b)
 
 
