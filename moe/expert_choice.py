@@ -19,11 +19,10 @@ deployment as a causal decoder.
 import math
 
 import torch
-import torch.nn.functional as F
 
 from kernels import expert_positions
 from moe.balancing import choice_counts
-from moe.gating import _check_logits, _mask_unused, _plan, _z_loss
+from moe.gating import _check_logits, _mask_unused, _plan, _z_loss, expert_softmax
 from moe.routing import Routing
 
 __all__ = ["expert_choice_capacity", "expert_choice_gating"]
@@ -59,7 +58,7 @@ def expert_choice_gating(
     logits = _check_logits(logits, 1)
     S, num_experts = logits.shape
     capacity = expert_choice_capacity(S, num_experts, capacity_factor)
-    scores_SE = F.softmax(logits, dim=1)
+    scores_SE = expert_softmax(logits)
     rank_SE = scores_SE.detach()
     if used_token is not None:
         used_S1 = (_mask_unused(torch.zeros(S, dtype=torch.int64, device=logits.device), used_token) >= 0).unsqueeze(1)

@@ -3,8 +3,9 @@
 Shape legend: S tokens, M model dim, E experts.
 
 `TopKGate` picks the policy from its config: DeepSpeed's top-1 / top-2 / top-k for softmax routing
-without the newer options (results identical to DeepSpeed's), `topkgating` at any k once sigmoid
-scoring, a bias, groups, or explicit weight normalisation or scaling is asked for, and
+without the newer options (DeepSpeed's results, the softmax summed in SIMD order: see
+`moe.gating.expert_softmax`), `topkgating` at any k once sigmoid scoring, a bias, groups, or
+explicit weight normalisation or scaling is asked for, and
 `expert_choice_gating` for routing="expert_choice". State that lives across forwards (the expert
 bias, the step's routed counts) is kept here and advanced by `update_routing` after each optimizer step.
 """

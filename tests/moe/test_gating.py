@@ -6,12 +6,16 @@ checks the plans on random logits.
 """
 
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from moe import Routing, TopKGate, top1gating, top2gating, topkgating
+from moe.gating import expert_softmax
 
 RTOL, ATOL = 1e-5, 1e-6
 
@@ -153,6 +157,47 @@ def test_top2_sampling_never_repeats_the_first_expert():
     plan = top2gating(logits, 4.0, 0, top2_2nd_expert_sampling=True)
     assert bool((plan.expert_idx_SK[:, 0] != plan.expert_idx_SK[:, 1]).all())
     assert plan.expert_idx_SK[:, 0].tolist() == logits.argmax(1).tolist()
+
+
+@pytest.mark.parametrize("num_experts", [1, 2, 7, 8, 15, 16, 20])
+def test_expert_softmax_is_softmax_and_each_token_gets_its_gates_whatever_the_batch(num_experts):
+    torch.manual_seed(num_experts)
+    logits = torch.randn(1027, num_experts) * 3
+    gates = expert_softmax(logits)
+    assert gates.is_contiguous() and gates.shape == logits.shape
+    torch.testing.assert_close(gates, F.softmax(logits, 1), rtol=1e-6, atol=1e-12)
+    assert torch.equal(expert_softmax(logits[:1024]), gates[:1024]), "a token's gates depend on the batch size"
+    assert torch.equal(expert_softmax(logits[517:518]), gates[517:518]), "a lone token gets other gates"
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = expert_softmax(logits)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(alone, gates), "the gates depend on the thread count"
+    # differentiable, with softmax's gradient (float64: the padding keeps any dtype)
+    x = torch.randn(6, num_experts, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(expert_softmax, (x,))
+
+
+_KERNEL_GATES = """
+import hashlib, torch
+from moe.gating import expert_softmax
+torch.manual_seed(0)
+print(hashlib.sha256(expert_softmax(torch.randn(4099, 8) * 3).numpy().tobytes()).hexdigest())
+"""
+
+
+def test_expert_softmax_gives_the_same_bits_with_avx2_kernels():
+    # torch picks AVX-512, AVX2 or scalar kernels by the CPU (ATEN_CPU_CAPABILITY forces a lower one); on
+    # an AVX-512 CPU this compares the two kernels, which give F.softmax of 8 experts different last bits
+    def run(env):
+        done = subprocess.run([sys.executable, "-c", _KERNEL_GATES], capture_output=True, text=True, timeout=120,
+                              env={**os.environ, **env})
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    assert run({"ATEN_CPU_CAPABILITY": "avx2"}) == run({})
 
 
 def test_topk_position_and_probs_policies():
