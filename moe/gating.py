@@ -157,7 +157,7 @@ def _z_loss(logits_SE: torch.Tensor) -> torch.Tensor:
 
 def _plan(
     scores_SE, expert_SK, slot_SK, resolve_capacity, l_aux, exp_counts, z_loss, renormalize: bool,
-    scaling: float = 1.0, max_rows: int | None = None,
+    scaling: float = 1.0, max_rows: int | None = None, kept_counts: torch.Tensor | None = None,
 ) -> Routing:
     """Mask dropped choices and read their weights from the scores (renormalised over kept choices, scaled)."""
     kept_SK = slot_SK >= 0
@@ -171,13 +171,19 @@ def _plan(
     return Routing(
         expert_idx_SK=expert_SK, slot_SK=torch.where(kept_SK, slot_SK, -1), weight_SK=weight_SK,
         resolve_capacity=resolve_capacity, num_experts=scores_SE.shape[1], l_aux=l_aux,
-        exp_counts=exp_counts.detach(), z_loss=z_loss, max_rows=max_rows,
+        exp_counts=exp_counts.detach(), z_loss=z_loss, max_rows=max_rows, kept_counts_E=kept_counts,
     )
+
+
+def _kept(exp_counts: torch.Tensor, capacity: int | None) -> torch.Tensor:
+    """Kept choices per expert: each keeps min(count, C) (all of them without dropping)."""
+    return exp_counts if capacity is None else exp_counts.clamp(max=capacity)
 
 
 def _softmax_plan(
     logits, gates_SE, expert_SK, slot_SK, resolve_capacity, exp_counts, max_rows: int, renormalize: bool,
     balance: dict, balance_expert_SK, own_fraction, top_S, scaling: float = 1.0,
+    kept_counts: torch.Tensor | None = None,
 ) -> Routing:
     """The plan of a softmax routing; weights, l_aux and z_loss reach the logits through one autograd
     node (moe.gate_outputs), or through plain autograd for seq_aux_loss (an f per sequence).
@@ -191,7 +197,7 @@ def _softmax_plan(
         gates_SE = expert_softmax(logits)  # the same values, now differentiable
         l_aux = balance_loss(load_balancing_type, gates_SE, balance_expert_SK, seq_len=balance["seq_len"])
         return _plan(gates_SE, expert_SK, slot_SK, resolve_capacity, l_aux, exp_counts, _z_loss(logits), renormalize,
-                     scaling, max_rows)
+                     scaling, max_rows, kept_counts)
     frac_E = balance_fraction(load_balancing_type, balance_expert_SK, gates_SE.shape[1], gates_SE.dtype,
                               global_counts=balance["global_counts"], default=own_fraction)
     kept_SK = slot_SK >= 0
@@ -200,7 +206,7 @@ def _softmax_plan(
     return Routing(
         expert_idx_SK=expert_SK, slot_SK=torch.where(kept_SK, slot_SK, -1), weight_SK=weight_SK,
         resolve_capacity=resolve_capacity, num_experts=gates_SE.shape[1], l_aux=l_aux,
-        exp_counts=exp_counts.detach(), z_loss=z_loss, max_rows=max_rows,
+        exp_counts=exp_counts.detach(), z_loss=z_loss, max_rows=max_rows, kept_counts_E=kept_counts,
     )
 
 
@@ -242,15 +248,15 @@ def top1gating(
     choice_S = _mask_unused(_argmax(logits.detach() + _gumbel_like(logits)) if noisy_gate_policy == "RSample" else top_S,
                             used_token)
     num_experts = logits.shape[1]
-    exp_counts = choice_counts(choice_S, num_experts)
     capacity = _capacity(logits, 1, capacity_factor, min_capacity, drop_tokens)
     priority = torch.rand(choice_S.shape, device=logits.device) if (use_rts and drop_tokens) else None
-    slot_S = assign_slots(choice_S, num_experts, _slots_capacity(capacity, logits, 1), priority)
+    exp_counts, slot_S = assign_slots(choice_S, num_experts, _slots_capacity(capacity, logits, 1), priority)
     balance = {"load_balancing_type": load_balancing_type, "seq_len": seq_len, "global_counts": global_counts}
     return _softmax_plan(
         logits, gates_SE, choice_S.unsqueeze(1), slot_S.unsqueeze(1), _resolver(capacity, exp_counts, ep_group),
         exp_counts, _max_rows(capacity, logits.shape[0], 1, num_experts), False, balance, choice_S.unsqueeze(1),
         lambda: _own_fraction(exp_counts, logits.shape[0], 1, logits.dtype), top_S,
+        kept_counts=_kept(exp_counts, capacity),
     )
 
 
@@ -285,21 +291,21 @@ def top2gating(
     scores = _gumbel_like(logits).add_(logits.detach()) if top2_2nd_expert_sampling else logits.detach().clone()
     scores.scatter_(1, first_S.unsqueeze(1), float("-inf"))  # a fresh tensor either way: no second copy
     second_S = _argmax(scores)
-    expert_SK = torch.stack([first_S, second_S], 1)
+    expert_KS = torch.stack([first_S, second_S])  # the fill order: every first choice, then every second
     if used_token is not None:
         used_S = _mask_unused(first_S, used_token) >= 0
-        expert_SK = torch.where(used_S.unsqueeze(1), expert_SK, -1)
-    exp_counts = choice_counts(expert_SK.reshape(-1), num_experts)
+        expert_KS = torch.where(used_S, expert_KS, -1)
     capacity = _capacity(logits, 2, capacity_factor, min_capacity, drop_tokens)
-    slot_P = assign_slots(expert_SK.t().reshape(-1), num_experts, _slots_capacity(capacity, logits, 2))
+    exp_counts, slot_P = assign_slots(expert_KS.view(-1), num_experts, _slots_capacity(capacity, logits, 2))
     # row-major like every [S, K] of the plan, so no later reshape copies it (clone, not contiguous(),
     # which fails on fake CUDA tensors of a CPU-only torch build: the simulated GPU world)
-    slot_SK = slot_P.view(2, S).t().clone(memory_format=torch.contiguous_format)
+    expert_SK, slot_SK = (t.view(2, S).t().clone(memory_format=torch.contiguous_format) for t in (expert_KS, slot_P))
     balance = {"load_balancing_type": load_balancing_type, "seq_len": seq_len, "global_counts": global_counts}
     return _softmax_plan(  # DeepSpeed's aux_loss counts the first choices only
         logits, gates_SE, expert_SK, slot_SK, _resolver(capacity, exp_counts, ep_group), exp_counts,
         _max_rows(capacity, S, 2, num_experts), True, balance, expert_SK,
-        lambda: _own_fraction(choice_counts(expert_SK.select(1, 0), num_experts), S, 1, logits.dtype), first_S,
+        lambda: _own_fraction(choice_counts(expert_KS[0], num_experts), S, 1, logits.dtype), first_S,
+        kept_counts=_kept(exp_counts, capacity),
     )
 
 
@@ -399,23 +405,24 @@ def topkgating(
     if used_token is not None:
         used_S = _mask_unused(expert_SK.select(1, 0), used_token) >= 0
         expert_SK = torch.where(used_S.unsqueeze(1), expert_SK, -1)
-    exp_counts = choice_counts(expert_SK.reshape(-1), num_experts)
     capacity = _capacity(logits, k, capacity_factor, min_capacity, drop_tokens)
     priority = top_score_SK.reshape(-1) if (drop_policy == "probs" and drop_tokens) else None
-    slot_SK = assign_slots(expert_SK.reshape(-1), num_experts, _slots_capacity(capacity, logits, k), priority).view(S, k)
+    exp_counts, slot_P = assign_slots(expert_SK.reshape(-1), num_experts, _slots_capacity(capacity, logits, k), priority)
+    slot_SK = slot_P.view(S, k)
     resolve, max_rows = _resolver(capacity, exp_counts, ep_group), _max_rows(capacity, S, k, num_experts)
     own_fraction = lambda: _own_fraction(exp_counts, S, k, logits.dtype)  # noqa: E731
     if softmax:
         balance = {"load_balancing_type": load_balancing_type, "seq_len": seq_len, "global_counts": global_counts}
         return _softmax_plan(logits, scores_SE, expert_SK, slot_SK, resolve, exp_counts, max_rows, norm_topk_prob,
-                             balance, expert_SK, own_fraction, top_S, routed_scaling_factor)
+                             balance, expert_SK, own_fraction, top_S, routed_scaling_factor,
+                             kept_counts=_kept(exp_counts, capacity))
     probs_SE = normalized_scores(scores_SE, scoring_func)
     l_aux = balance_loss(
         load_balancing_type, probs_SE, expert_SK, seq_len=seq_len, global_counts=global_counts,
         default=own_fraction,
     )
     return _plan(scores_SE, expert_SK, slot_SK, resolve, l_aux, exp_counts, _z_loss(logits), norm_topk_prob,
-                 routed_scaling_factor, max_rows)
+                 routed_scaling_factor, max_rows, kept_counts=_kept(exp_counts, capacity))
 
 
 def _check_policy(noisy_gate_policy) -> None:

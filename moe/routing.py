@@ -37,6 +37,8 @@ class Routing:
         z_loss: the router z-loss mean(logsumexp(logits)^2) (ST-MoE), a scalar.
         max_rows: a bound on the kept choices known without a host sync (S * K, or E * C when the
             capacity is fixed); layouts of fixed size allocate this many rows. None: S * K.
+        kept_counts_E: int64 kept choices per expert, shape [E], where the gate knows them (each
+            expert keeps min(count, C) of its choices); None: counted from expert_idx_SK when asked.
     """
 
     expert_idx_SK: torch.Tensor
@@ -48,6 +50,7 @@ class Routing:
     exp_counts: torch.Tensor
     z_loss: torch.Tensor
     max_rows: int | None = None
+    kept_counts_E: torch.Tensor | None = None
 
     @property
     def capacity(self) -> int:
@@ -63,7 +66,10 @@ class Routing:
         return self.expert_idx_SK >= 0
 
     def kept_counts(self) -> torch.Tensor:
-        """int64 kept choices per expert after dropping, shape [E] (no host sync: counted by scatter-add)."""
+        """int64 kept choices per expert after dropping, shape [E] (no host sync): as the gate gave them,
+        else counted by scatter-add."""
+        if self.kept_counts_E is not None:
+            return self.kept_counts_E
         return choice_counts(self.expert_idx_SK, self.num_experts)
 
     def dense(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -87,12 +93,12 @@ class Routing:
 
 def assign_slots(
     expert_P: torch.Tensor, num_experts: int, capacity: int, priority_P: torch.Tensor | None = None
-) -> torch.Tensor:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Give each choice a slot in its expert's buffer, dropping what does not fit.
 
     Without a priority, an expert keeps its first `capacity` choices in fill order. With one, it keeps
     the `capacity` choices of highest priority (ties: earlier in fill order). Either way the kept
-    choices take slots 0, 1, ... in fill order.
+    choices take slots 0, 1, ... in fill order, so each expert keeps min(count, capacity) of them.
 
     Args:
         expert_P: int64 expert per choice, in fill order, shape [P]; -1 for choices routed nowhere.
@@ -101,12 +107,14 @@ def assign_slots(
         priority_P: optional float priority per choice, shape [P].
 
     Returns:
+        counts_E: int64 choices per expert before dropping, shape [E] (the plan's exp_counts).
         slot_P: int64, shape [P], -1 for dropped choices.
     """
+    counts_E = None
     if priority_P is not None:  # rank each expert's choices by priority (ties: fill order), keep the top C
         order = torch.argsort(priority_P, descending=True, stable=True)
-        _, rank_in_order = expert_positions(expert_P.index_select(0, order), num_experts)
+        counts_E, rank_in_order = expert_positions(expert_P.index_select(0, order), num_experts)
         rank_P = torch.empty_like(rank_in_order).scatter_(0, order, rank_in_order)
         expert_P = torch.where((rank_P >= 0) & (rank_P < capacity), expert_P, -1)
-    _, slot_P = expert_positions(expert_P, num_experts)
-    return torch.where(slot_P < capacity, slot_P, -1)
+    kept_E, slot_P = expert_positions(expert_P, num_experts)
+    return kept_E if counts_E is None else counts_E, torch.where(slot_P < capacity, slot_P, -1)

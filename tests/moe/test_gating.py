@@ -200,6 +200,29 @@ def test_expert_softmax_gives_the_same_bits_with_avx2_kernels():
     assert run({"ATEN_CPU_CAPABILITY": "avx2"}) == run({})
 
 
+@pytest.mark.parametrize("policy", ["top1", "top1_rts", "top2", "top2_dropless", "topk_probs", "topk_position",
+                                    "topk_sigmoid"])
+@pytest.mark.parametrize("used", [False, True])
+def test_the_plans_kept_counts_are_the_kept_choices_per_expert(policy, used):
+    torch.manual_seed(3)
+    S, E = 96, 6
+    logits = torch.randn(S, E) + torch.linspace(0, 2, E)  # uneven loads: some experts overflow
+    used_token = (torch.rand(S) > 0.2).long() if used else None
+    plan = {
+        "top1": lambda: top1gating(logits, 1.0, 0, used_token, use_rts=False),
+        "top1_rts": lambda: top1gating(logits, 1.0, 0, used_token, use_rts=True),
+        "top2": lambda: top2gating(logits, 1.0, 0, used_token=used_token),
+        "top2_dropless": lambda: top2gating(logits, 1.0, 0, drop_tokens=False, used_token=used_token),
+        "topk_probs": lambda: topkgating(logits, 3, 1.0, 0, used_token=used_token),
+        "topk_position": lambda: topkgating(logits, 3, 1.0, 0, drop_policy="position", used_token=used_token),
+        "topk_sigmoid": lambda: topkgating(logits, 3, 1.0, 0, used_token=used_token, scoring_func="sigmoid"),
+    }[policy]()
+    kept = plan.expert_idx_SK[plan.expert_idx_SK >= 0]
+    assert plan.kept_counts().tolist() == torch.bincount(kept, minlength=E).tolist()
+    assert int(plan.kept_counts().sum()) < int(plan.exp_counts.sum()) or policy == "top2_dropless"
+    assert bool((plan.kept_counts() <= plan.capacity).all())
+
+
 def test_topk_position_and_probs_policies():
     # 4 tokens, 4 experts, k=3; expert 3 is everyone's third choice, expert 0 everyone's first
     logits = torch.tensor([[3.0, 2.0, -5, 1.0], [3.0, 2.0, -5, 1.5], [3.0, -5, 2.0, 0.5], [3.0, 2.0, -5, 1.2]])
