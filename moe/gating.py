@@ -304,7 +304,7 @@ def top2gating(
     return _softmax_plan(  # DeepSpeed's aux_loss counts the first choices only
         logits, gates_SE, expert_SK, slot_SK, _resolver(capacity, exp_counts, ep_group), exp_counts,
         _max_rows(capacity, S, 2, num_experts), True, balance, expert_SK,
-        lambda: _own_fraction(choice_counts(expert_KS[0], num_experts), S, 1, logits.dtype), first_S,
+        lambda: _own_fraction(choice_counts(expert_KS.select(0, 0), num_experts), S, 1, logits.dtype), first_S,
         kept_counts=_kept(exp_counts, capacity),
     )
 
