@@ -98,8 +98,9 @@ def _slots_capacity(capacity: int | None, logits: torch.Tensor, k: int) -> int:
     return capacity if capacity is not None else logits.shape[0] * k
 
 
-# On the CPU a softmax row narrower than a SIMD vector (16 fp32 lanes with AVX-512, 8 with AVX2) takes
-# a slow partial-vector path that also sums in another order than a full vector does
+# On the CPU the part of a softmax row that does not fill a SIMD vector (16 fp32 lanes with AVX-512, 8
+# with AVX2) takes a slow partial-vector path that also sums in another order than a full vector does;
+# a row shorter than one vector is all such a part
 SOFTMAX_ROW = 16
 
 
@@ -177,7 +178,7 @@ def _plan(
 
 def _kept(exp_counts: torch.Tensor, capacity: int | None) -> torch.Tensor:
     """Kept choices per expert: each keeps min(count, C) (all of them without dropping)."""
-    return exp_counts if capacity is None else exp_counts.clamp(max=capacity)
+    return exp_counts.clone() if capacity is None else exp_counts.clamp(max=capacity)
 
 
 def _softmax_plan(

@@ -39,6 +39,7 @@ class Routing:
             capacity is fixed); layouts of fixed size allocate this many rows. None: S * K.
         kept_counts_E: int64 kept choices per expert, shape [E], where the gate knows them (each
             expert keeps min(count, C) of its choices); None: counted from expert_idx_SK when asked.
+            `kept_counts()` returns this tensor itself: read it, do not modify it.
     """
 
     expert_idx_SK: torch.Tensor
@@ -116,5 +117,5 @@ def assign_slots(
         counts_E, rank_in_order = expert_positions(expert_P.index_select(0, order), num_experts)
         rank_P = torch.empty_like(rank_in_order).scatter_(0, order, rank_in_order)
         expert_P = torch.where((rank_P >= 0) & (rank_P < capacity), expert_P, -1)
-    kept_E, slot_P = expert_positions(expert_P, num_experts)
-    return kept_E if counts_E is None else counts_E, torch.where(slot_P < capacity, slot_P, -1)
+    counts_or_kept_E, slot_P = expert_positions(expert_P, num_experts)  # kept ones after a priority's drop
+    return counts_or_kept_E if counts_E is None else counts_E, torch.where(slot_P < capacity, slot_P, -1)

@@ -7,6 +7,7 @@ checks the plans on random logits.
 
 import math
 import os
+import pathlib
 import subprocess
 import sys
 
@@ -18,6 +19,7 @@ from moe import Routing, TopKGate, top1gating, top2gating, topkgating
 from moe.gating import expert_softmax
 
 RTOL, ATOL = 1e-5, 1e-6
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def _logits(choices, num_experts, margin=4.0):
@@ -193,7 +195,7 @@ def test_expert_softmax_gives_the_same_bits_with_avx2_kernels():
     # an AVX-512 CPU this compares the two kernels, which give F.softmax of 8 experts different last bits
     def run(env):
         done = subprocess.run([sys.executable, "-c", _KERNEL_GATES], capture_output=True, text=True, timeout=120,
-                              env={**os.environ, **env})
+                              env={**os.environ, **env}, cwd=ROOT)  # this checkout's moe, not an installed one
         assert done.returncode == 0, done.stderr
         return done.stdout
 
@@ -221,6 +223,8 @@ def test_the_plans_kept_counts_are_the_kept_choices_per_expert(policy, used):
     assert plan.kept_counts().tolist() == torch.bincount(kept, minlength=E).tolist()
     assert int(plan.kept_counts().sum()) < int(plan.exp_counts.sum()) or policy == "top2_dropless"
     assert bool((plan.kept_counts() <= plan.capacity).all())
+    # its own memory: exp_counts (which the dropless capacity is read from) never changes with it
+    assert plan.kept_counts().untyped_storage().data_ptr() != plan.exp_counts.untyped_storage().data_ptr()
 
 
 def test_topk_position_and_probs_policies():
