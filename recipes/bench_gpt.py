@@ -7,11 +7,14 @@ Both models are built by `recipes.gpt` from the same flags (the dense twin with 
 active parameters per token) and trained through the same engine with the same batches, writing
 the same TensorBoard statistics as the recipe does (to a temporary folder). Steps
 alternate between the two, so drift in the machine's speed hits both alike; the first --warmup
-steps of each are not timed (the CPU products are measured and chosen there, see `kernels.gemm`).
-Prints the CPU, the median ms per step, tokens/s and their ratio, and the ratio step by step (each
-pair of adjacent steps: median, quartiles, and the median of each half of the run), which shows how
-far the figure can be trusted on a shared machine. Any other `recipes.gpt` flag passes through to
-both models.
+steps of each are not timed: the CPU products are measured and chosen there (see `kernels.gemm`),
+and the router settles. A fresh router drops about a tenth of the choices over capacity, so the MoE
+model's experts do less work than later in training; after about a hundred steps nearly every
+choice is kept, as for the rest of a run (--warmup 5 times the first steps instead).
+Prints the CPU, the median ms per step, tokens/s and their ratio, the fraction of choices the MoE
+layers dropped over the timed steps, and the ratio step by step (each pair of adjacent steps:
+median, quartiles, and the median of each half of the run), which shows how far the figure can be
+trusted on a shared machine. Any other `recipes.gpt` flag passes through to both models.
 """
 
 import statistics
@@ -55,7 +58,8 @@ def _spread(dense: list[float], moe: list[float]) -> str:
 def main(argv=None) -> dict:
     argv = sys.argv[1:] if argv is None else argv
     parser = flag_parser(gpt.TrainConfig, __doc__)
-    parser.add_argument("--warmup", type=int, default=5, help="untimed steps of each model first")
+    parser.add_argument("--warmup", type=int, default=100,
+                        help="untimed steps of each model first (the products are chosen and the router settles)")
     args = parser.parse_args(argv)
     warmup = args.__dict__.pop("warmup")
     steps = args.steps if "--steps" in " ".join(argv) else 30
@@ -70,6 +74,7 @@ def main(argv=None) -> dict:
     print(f"CPU: {cpu_name()}, torch {torch.__version__}, {torch.get_num_threads()} threads; "
           f"{base.batch_size} x {base.seq_len} tokens per step, {base.dtype}")
     times = {name: [] for name in runs}
+    dropped = []  # the MoE layers' dropped fraction of each timed step
     for step in range(warmup + steps):
         for name, cfg in runs.items():
             x, y = gpt.train_batch(tokens, cfg, step, 0, 0)
@@ -77,6 +82,9 @@ def main(argv=None) -> dict:
             gpt.train_step(engines[name][0], cfg, x, y).item()
             if step >= warmup:
                 times[name].append(time.perf_counter() - start)
+                layers = engines[name][0].last_routing_stats
+                if name == "moe" and layers:
+                    dropped.append(sum(layer.dropped_fraction for layer in layers) / len(layers))
     results = {}
     for name in runs:
         ms = statistics.median(times[name]) * 1e3
@@ -84,6 +92,9 @@ def main(argv=None) -> dict:
         results[name] = base.batch_size * base.seq_len / ms * 1e3
         print(f"{name:<6} {total:>10,} parameters {active:>10,} active  {ms:8.1f} ms/step  {results[name]:9.0f} tokens/s")
     print(f"MoE / dense tokens/s: {results['moe'] / results['dense']:.3f}")
+    if dropped:
+        print(f"MoE choices dropped over capacity in the timed steps: {100 * statistics.mean(dropped):.1f}% "
+              f"(after {warmup} untimed steps)")
     print(_spread(times["dense"], times["moe"]))
     for engine, _ in engines.values():
         if engine.monitor is not None:

@@ -309,6 +309,16 @@ def test_bench_gpt_times_both_models(capsys):
     assert spread, out
     median, low, high, first, second = map(float, spread.groups())
     assert 0 < low <= median <= high and min(first, second) <= high and max(first, second) >= low
+    assert len(_numbers(r"^MoE choices dropped over capacity in the timed steps: ([0-9.]+)% \(after 1 untimed steps\)$",
+                        out)) == 1, out
+
+
+def test_bench_gpt_reports_the_choices_dropped_while_timed(capsys):
+    # capacity factor 0.5 with top-2: the experts hold S slots for 2 S choices, so at least half are dropped
+    bench_gpt.main(GPT_TINY + ["--steps", "2", "--warmup", "1", "--capacity-factor", "0.5"])
+    out = capsys.readouterr().out
+    (percent,) = _numbers(r"^MoE choices dropped over capacity in the timed steps: ([0-9.]+)%", out)
+    assert 50.0 <= percent <= 100.0, out
 
 
 def test_a_diverging_run_stops_with_one_line_and_saves_no_nonfinite_weights(tmp_path, capsys):
