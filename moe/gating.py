@@ -176,11 +176,6 @@ def _plan(
     )
 
 
-def _kept(exp_counts: torch.Tensor, capacity: int | None) -> torch.Tensor:
-    """Kept choices per expert: each keeps min(count, C) (all of them without dropping)."""
-    return exp_counts.clone() if capacity is None else exp_counts.clamp(max=capacity)
-
-
 def _softmax_plan(
     logits, gates_SE, expert_SK, slot_SK, resolve_capacity, exp_counts, max_rows: int, renormalize: bool,
     balance: dict, balance_expert_SK, own_fraction, top_S, scaling: float = 1.0,
@@ -251,13 +246,14 @@ def top1gating(
     num_experts = logits.shape[1]
     capacity = _capacity(logits, 1, capacity_factor, min_capacity, drop_tokens)
     priority = torch.rand(choice_S.shape, device=logits.device) if (use_rts and drop_tokens) else None
-    exp_counts, slot_S = assign_slots(choice_S, num_experts, _slots_capacity(capacity, logits, 1), priority)
+    exp_counts, kept_counts, slot_S = assign_slots(choice_S, num_experts, _slots_capacity(capacity, logits, 1),
+                                                   priority)
     balance = {"load_balancing_type": load_balancing_type, "seq_len": seq_len, "global_counts": global_counts}
     return _softmax_plan(
         logits, gates_SE, choice_S.unsqueeze(1), slot_S.unsqueeze(1), _resolver(capacity, exp_counts, ep_group),
         exp_counts, _max_rows(capacity, logits.shape[0], 1, num_experts), False, balance, choice_S.unsqueeze(1),
         lambda: _own_fraction(exp_counts, logits.shape[0], 1, logits.dtype), top_S,
-        kept_counts=_kept(exp_counts, capacity),
+        kept_counts=kept_counts,
     )
 
 
@@ -297,7 +293,7 @@ def top2gating(
         used_S = _mask_unused(first_S, used_token) >= 0
         expert_KS = torch.where(used_S, expert_KS, -1)
     capacity = _capacity(logits, 2, capacity_factor, min_capacity, drop_tokens)
-    exp_counts, slot_P = assign_slots(expert_KS.view(-1), num_experts, _slots_capacity(capacity, logits, 2))
+    exp_counts, kept_counts, slot_P = assign_slots(expert_KS.view(-1), num_experts, _slots_capacity(capacity, logits, 2))
     # row-major like every [S, K] of the plan, so no later reshape copies it (clone, not contiguous(),
     # which fails on fake CUDA tensors of a CPU-only torch build: the simulated GPU world)
     expert_SK, slot_SK = (t.view(2, S).t().clone(memory_format=torch.contiguous_format) for t in (expert_KS, slot_P))
@@ -306,7 +302,7 @@ def top2gating(
         logits, gates_SE, expert_SK, slot_SK, _resolver(capacity, exp_counts, ep_group), exp_counts,
         _max_rows(capacity, S, 2, num_experts), True, balance, expert_SK,
         lambda: _own_fraction(choice_counts(expert_KS.select(0, 0), num_experts), S, 1, logits.dtype), first_S,
-        kept_counts=_kept(exp_counts, capacity),
+        kept_counts=kept_counts,
     )
 
 
@@ -408,7 +404,8 @@ def topkgating(
         expert_SK = torch.where(used_S.unsqueeze(1), expert_SK, -1)
     capacity = _capacity(logits, k, capacity_factor, min_capacity, drop_tokens)
     priority = top_score_SK.reshape(-1) if (drop_policy == "probs" and drop_tokens) else None
-    exp_counts, slot_P = assign_slots(expert_SK.reshape(-1), num_experts, _slots_capacity(capacity, logits, k), priority)
+    exp_counts, kept_counts, slot_P = assign_slots(expert_SK.reshape(-1), num_experts,
+                                                   _slots_capacity(capacity, logits, k), priority)
     slot_SK = slot_P.view(S, k)
     resolve, max_rows = _resolver(capacity, exp_counts, ep_group), _max_rows(capacity, S, k, num_experts)
     own_fraction = lambda: _own_fraction(exp_counts, S, k, logits.dtype)  # noqa: E731
@@ -416,14 +413,14 @@ def topkgating(
         balance = {"load_balancing_type": load_balancing_type, "seq_len": seq_len, "global_counts": global_counts}
         return _softmax_plan(logits, scores_SE, expert_SK, slot_SK, resolve, exp_counts, max_rows, norm_topk_prob,
                              balance, expert_SK, own_fraction, top_S, routed_scaling_factor,
-                             kept_counts=_kept(exp_counts, capacity))
+                             kept_counts=kept_counts)
     probs_SE = normalized_scores(scores_SE, scoring_func)
     l_aux = balance_loss(
         load_balancing_type, probs_SE, expert_SK, seq_len=seq_len, global_counts=global_counts,
         default=own_fraction,
     )
     return _plan(scores_SE, expert_SK, slot_SK, resolve, l_aux, exp_counts, _z_loss(logits), norm_topk_prob,
-                 routed_scaling_factor, max_rows, kept_counts=_kept(exp_counts, capacity))
+                 routed_scaling_factor, max_rows, kept_counts=kept_counts)
 
 
 def _check_policy(noisy_gate_policy) -> None:

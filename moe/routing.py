@@ -94,7 +94,7 @@ class Routing:
 
 def assign_slots(
     expert_P: torch.Tensor, num_experts: int, capacity: int, priority_P: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Give each choice a slot in its expert's buffer, dropping what does not fit.
 
     Without a priority, an expert keeps its first `capacity` choices in fill order. With one, it keeps
@@ -109,6 +109,7 @@ def assign_slots(
 
     Returns:
         counts_E: int64 choices per expert before dropping, shape [E] (the plan's exp_counts).
+        kept_E: int64 choices per expert kept, min(counts_E, C), shape [E] (a tensor of its own).
         slot_P: int64, shape [P], -1 for dropped choices.
     """
     counts_E = None
@@ -118,4 +119,5 @@ def assign_slots(
         rank_P = torch.empty_like(rank_in_order).scatter_(0, order, rank_in_order)
         expert_P = torch.where((rank_P >= 0) & (rank_P < capacity), expert_P, -1)
     counts_or_kept_E, slot_P = expert_positions(expert_P, num_experts)  # kept ones after a priority's drop
-    return counts_or_kept_E if counts_E is None else counts_E, torch.where(slot_P < capacity, slot_P, -1)
+    counts_E = counts_or_kept_E if counts_E is None else counts_E
+    return counts_E, counts_E.clamp(max=capacity), torch.where(slot_P < capacity, slot_P, -1)
