@@ -2,6 +2,7 @@
 
     python -m recipes.bench_gpt                      # the recipe's defaults: 32 x 128 tokens per step
     python -m recipes.bench_gpt --steps 40 --n-embd 256 --ffn 1024
+    python -m recipes.bench_gpt --breakdown          # also where each model's step goes, block by block
 
 Both models are built by `recipes.gpt` from the same flags (the dense twin with `--dense`: the same
 active parameters per token) and trained through the same engine with the same batches, writing
@@ -14,7 +15,9 @@ choice is kept, as for the rest of a run (--warmup 5 times the first steps inste
 Prints the CPU, the median ms per step, tokens/s and their ratio, the fraction of choices the MoE
 layers dropped over the timed steps, and the ratio step by step (each pair of adjacent steps:
 median, quartiles, and the median of each half of the run), which shows how far the figure can be
-trusted on a shared machine. Any other `recipes.gpt` flag passes through to both models.
+trusted on a shared machine. With --breakdown, also each model's feed-forward blocks (and the MoE
+layers' gate and experts) forward and backward, and its optimizer step (`recipes.step_breakdown`).
+Any other `recipes.gpt` flag passes through to both models.
 """
 
 import statistics
@@ -30,6 +33,7 @@ from optim import initialize
 from recipes import gpt
 from recipes.cli import engine_config, flag_parser
 from recipes.gpt_model import GPT
+from recipes.step_breakdown import StepBreakdown
 from recipes.training import cpu_name
 
 
@@ -60,8 +64,11 @@ def main(argv=None) -> dict:
     parser = flag_parser(gpt.TrainConfig, __doc__)
     parser.add_argument("--warmup", type=int, default=100,
                         help="untimed steps of each model first (the products are chosen and the router settles)")
+    parser.add_argument("--breakdown", action="store_true",
+                        help="also time each feed-forward block, the MoE layers' gate and experts, and the "
+                             "optimizer step (recipes.step_breakdown)")
     args = parser.parse_args(argv)
-    warmup = args.__dict__.pop("warmup")
+    warmup, breakdown = args.__dict__.pop("warmup"), args.__dict__.pop("breakdown")
     steps = args.steps if "--steps" in " ".join(argv) else 30
     if steps < 1 or warmup < 0:
         parser.error(f"--steps must be at least 1 and --warmup at least 0, got {steps} and {warmup}")
@@ -71,11 +78,16 @@ def main(argv=None) -> dict:
     runs = {name: gpt.TrainConfig(**{**vars(base), "dense": name == "dense", "log_dir": logs.name, "run_name": name})
             for name in ("moe", "dense")}
     engines = {name: _engine(cfg) for name, cfg in runs.items()}
+    timers = {name: StepBreakdown(engine.module, engine.optimizer) for name, (engine, _) in engines.items()} \
+        if breakdown else {}
     print(f"CPU: {cpu_name()}, torch {torch.__version__}, {torch.get_num_threads()} threads; "
           f"{base.batch_size} x {base.seq_len} tokens per step, {base.dtype}")
     times = {name: [] for name in runs}
     dropped = []  # the MoE layers' dropped fraction of each timed step
     for step in range(warmup + steps):
+        if step == warmup:
+            for timer in timers.values():
+                timer.clear()
         for name, cfg in runs.items():
             x, y = gpt.train_batch(tokens, cfg, step, 0, 0)
             start = time.perf_counter()
@@ -96,6 +108,10 @@ def main(argv=None) -> dict:
         print(f"MoE choices dropped over capacity in the timed steps: {100 * statistics.mean(dropped):.1f}% "
               f"(after {warmup} untimed steps)")
     print(_spread(times["dense"], times["moe"]))
+    for name, timer in timers.items():
+        print(f"{name} model, parts of the timed steps:")
+        print("\n".join("  " + line for line in timer.lines()))
+        timer.remove()
     for engine, _ in engines.values():
         if engine.monitor is not None:
             engine.monitor.close()

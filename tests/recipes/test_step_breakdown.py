@@ -1,0 +1,78 @@
+"""recipes.step_breakdown: timers on a GPT's feed-forward blocks, its MoE layers' gate and experts, and the optimizer."""
+
+import re
+
+import torch
+import torch.nn.functional as F
+
+from recipes import bench_gpt, gpt
+from recipes.gpt_model import GPT
+from recipes.step_breakdown import StepBreakdown
+
+TINY = dict(n_layer=2, n_embd=32, n_head=2, ffn=64, seq_len=32, batch_size=8, num_experts=4, top_k=2)
+
+
+def _train(model, optimizer, steps: int) -> None:
+    torch.manual_seed(0)
+    for _ in range(steps):
+        idx = torch.randint(0, 256, (4, 32))
+        logits, l_aux, _ = model(idx)
+        (F.cross_entropy(logits.flatten(0, 1), idx.flatten()) + 0.01 * l_aux).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def test_each_block_and_the_moe_layers_parts_are_timed_once_per_step():
+    torch.manual_seed(0)
+    model = GPT(gpt.model_config(gpt.TrainConfig(**TINY)))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    timer = StepBreakdown(model, optimizer)
+    _train(model, optimizer, 3)
+    seconds = timer.seconds
+    layer, mlp = "block 1 MoE", "block 0 MLP"
+    expected = {f"{mlp} forward", f"{mlp} backward", f"{layer} forward", f"{layer} backward", f"{layer} gate forward",
+                f"{layer} experts forward", f"{layer} experts backward", "optimizer step"}
+    assert set(seconds) == expected, sorted(seconds)
+    assert all(len(times) == 3 and min(times) > 0 for times in seconds.values()), dict(seconds)
+    for i in range(3):  # the parts lie inside the layer's own windows, call by call
+        inside = seconds[f"{layer} gate forward"][i] + seconds[f"{layer} experts forward"][i]
+        assert inside <= seconds[f"{layer} forward"][i]
+        assert seconds[f"{layer} experts backward"][i] <= seconds[f"{layer} backward"][i]
+    ms = timer.medians()
+    assert ms[f"{layer} rest forward"] == ms[f"{layer} forward"] - ms[f"{layer} gate forward"] - ms[f"{layer} experts forward"]
+    assert ms[f"{layer} rest backward"] == ms[f"{layer} backward"] - ms[f"{layer} experts backward"]
+    table = "\n".join(timer.lines())
+    for label in (mlp, layer, "gate (router, plan)", "experts", "dispatch, combine, the rest", "optimizer step"):
+        assert label in table, table
+
+
+def test_cleared_times_start_over_and_removed_hooks_time_nothing():
+    torch.manual_seed(0)
+    model = GPT(gpt.model_config(gpt.TrainConfig(**TINY)))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    timer = StepBreakdown(model, optimizer)
+    _train(model, optimizer, 2)
+    timer.clear()
+    _train(model, optimizer, 1)
+    assert {len(times) for times in timer.seconds.values()} == {1}
+    timer.remove()
+    timer.clear()
+    _train(model, optimizer, 1)
+    assert not timer.seconds
+
+
+def test_bench_gpt_prints_the_breakdown_of_both_models(capsys):
+    args = ["--n-layer", "2", "--n-embd", "32", "--n-head", "2", "--ffn", "64", "--seq-len", "32", "--batch-size", "8",
+            "--num-experts", "4", "--top-k", "2", "--steps", "2", "--warmup", "1", "--breakdown"]
+    bench_gpt.main(args)
+    out = capsys.readouterr().out
+    for name in ("moe", "dense"):
+        assert f"{name} model, parts of the timed steps:" in out, out
+    moe_table = out.split("moe model, parts of the timed steps:")[1].split("dense model")[0]
+    numbers = r"\s+([0-9.]+)\s+([0-9.]+)$"
+    assert re.search(r"^\s+block 1 MoE" + numbers, moe_table, re.MULTILINE), moe_table
+    assert re.search(r"^\s+experts" + numbers, moe_table, re.MULTILINE), moe_table
+    assert re.search(r"^\s+gate \(router, plan\)\s+([0-9.]+)\s+-$", moe_table, re.MULTILINE), moe_table
+    dense_table = out.split("dense model, parts of the timed steps:")[1]
+    assert re.search(r"^\s+block 1 MLP" + numbers, dense_table, re.MULTILINE), dense_table
+    assert "MoE" not in dense_table.split("CPU products")[0], dense_table
