@@ -22,11 +22,16 @@ def _train(model, optimizer, steps: int) -> None:
         optimizer.zero_grad()
 
 
-def test_each_block_and_the_moe_layers_parts_are_timed_once_per_step():
+def _timed_gpt():
+    """A tiny MoE GPT (block 0 dense, block 1 MoE), its AdamW and timers on both."""
     torch.manual_seed(0)
     model = GPT(gpt.model_config(gpt.TrainConfig(**TINY)))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    timer = StepBreakdown(model, optimizer)
+    return model, optimizer, StepBreakdown(model, optimizer)
+
+
+def test_each_block_and_the_moe_layers_parts_are_timed_once_per_step():
+    model, optimizer, timer = _timed_gpt()
     _train(model, optimizer, 3)
     seconds = timer.seconds
     layer, mlp = "block 1 MoE", "block 0 MLP"
@@ -47,10 +52,7 @@ def test_each_block_and_the_moe_layers_parts_are_timed_once_per_step():
 
 
 def test_cleared_times_start_over_and_removed_hooks_time_nothing():
-    torch.manual_seed(0)
-    model = GPT(gpt.model_config(gpt.TrainConfig(**TINY)))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    timer = StepBreakdown(model, optimizer)
+    model, optimizer, timer = _timed_gpt()
     _train(model, optimizer, 2)
     timer.clear()
     _train(model, optimizer, 1)
