@@ -47,6 +47,16 @@ def _engine(cfg: gpt.TrainConfig):
     return engine, model.parameter_counts()
 
 
+def _minor_faults() -> int | None:
+    """The process's minor page faults so far (None where the OS does not count them): each is a fresh
+    page of memory touched for the first time, about a microsecond or more apiece."""
+    try:
+        import resource
+    except ImportError:  # not on POSIX systems
+        return None
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
 def _spread(dense: list[float], moe: list[float]) -> str:
     """The ratio step by step: dense / MoE time of each pair of adjacent steps, its median and quartiles,
     and its median over each half of the run (a shared machine's slow phases show as a gap between them)."""
@@ -78,11 +88,13 @@ def main(argv=None) -> dict:
     runs = {name: gpt.TrainConfig(**{**vars(base), "dense": name == "dense", "log_dir": logs.name, "run_name": name})
             for name in ("moe", "dense")}
     engines = {name: _engine(cfg) for name, cfg in runs.items()}
-    timers = {name: StepBreakdown(engine.module, engine.optimizer) for name, (engine, _) in engines.items()} \
-        if breakdown else {}
+    timers = {}
+    if breakdown:  # hooks on both models' blocks and optimizers, cleared when the timed steps begin
+        timers = {name: StepBreakdown(engine.module, engine.optimizer) for name, (engine, _) in engines.items()}
     print(f"CPU: {cpu_name()}, torch {torch.__version__}, {torch.get_num_threads()} threads; "
           f"{base.batch_size} x {base.seq_len} tokens per step, {base.dtype}")
     times = {name: [] for name in runs}
+    faults = {name: [] for name in runs}  # minor page faults of each timed step (fresh memory touched)
     dropped = []  # the MoE layers' dropped fraction of each timed step
     for step in range(warmup + steps):
         if step == warmup:
@@ -90,10 +102,12 @@ def main(argv=None) -> dict:
                 timer.clear()
         for name, cfg in runs.items():
             x, y = gpt.train_batch(tokens, cfg, step, 0, 0)
-            start = time.perf_counter()
+            faulted, start = _minor_faults(), time.perf_counter()
             gpt.train_step(engines[name][0], cfg, x, y).item()
             if step >= warmup:
                 times[name].append(time.perf_counter() - start)
+                if faulted is not None:
+                    faults[name].append(_minor_faults() - faulted)
                 layers = engines[name][0].last_routing_stats
                 if name == "moe" and layers:
                     dropped.append(sum(layer.dropped_fraction for layer in layers) / len(layers))
@@ -108,6 +122,9 @@ def main(argv=None) -> dict:
         print(f"MoE choices dropped over capacity in the timed steps: {100 * statistics.mean(dropped):.1f}% "
               f"(after {warmup} untimed steps)")
     print(_spread(times["dense"], times["moe"]))
+    if all(faults.values()):
+        print("minor page faults per step (median): " +
+              ", ".join(f"{name} {statistics.median(counts):.0f}" for name, counts in faults.items()))
     for name, timer in timers.items():
         print(f"{name} model, parts of the timed steps:")
         print("\n".join("  " + line for line in timer.lines()))

@@ -1,16 +1,19 @@
 """Where a training step's time goes, layer by layer: wall-clock timers on the feed-forward blocks.
 
 `StepBreakdown(model)` puts forward hooks on every block's feed-forward module (the MoE layer or the
-dense MLP) and, for MoE layers, on the gate and the experts inside. Each forward is timed from its
-pre-hook to its hook; each backward from the moment the gradient of the module's output exists
-(a tensor hook) to the moment the gradient of its input does. For an MoE layer the rest of its
-time, dispatch and combine (with the gate's plan and the layer's bookkeeping), is the layer's time
-less the gate's and the experts'. The optimizer's step is timed by its own step hooks.
+dense MLP) and, for MoE layers, on the gate and the experts inside. Each training forward (grad
+enabled; evaluation forwards are not timed) is timed from its pre-hook to its hook; its backward from
+the moment the gradient of the module's output exists (a tensor hook) to the moment the gradient of
+its input does, paired call by call. For an MoE layer the rest of its time is, per call, the layer's
+time less the gate's and the experts' in the forward (dispatch, combine, the layer's bookkeeping),
+and less the experts' in the backward (dispatch, combine and the router's backward). The optimizer's
+step is timed by its own step hooks.
 
 These are wall clocks on the calling thread, as `time.perf_counter` reads them, with no host sync: on
 the CPU they are the time spent; on a GPU they would time the launches only. A backward window holds
-whatever autograd runs between the two gradients; in a plain stack of blocks that is the module's
-own backward. `recipes.bench_gpt --breakdown` prints them for the MoE model and its dense twin.
+whatever autograd runs between the two gradients: the module's own backward, the accumulation of its
+weights' gradients, and any other node autograd takes first. `recipes.bench_gpt --breakdown` prints
+them for the MoE model and its dense twin.
 """
 
 import statistics
@@ -28,14 +31,24 @@ __all__ = ["StepBreakdown"]
 class StepBreakdown:
     """Timers on a GPT's feed-forward blocks (and its MoE layers' gate and experts) and its optimizer.
 
+    Attributes:
+        seconds: "<part> forward" / "<part> backward" / "optimizer step" -> the seconds of each call,
+            in call order (a part is "block <i> MoE", "block <i> MLP", or "block <i> MoE gate" / "experts").
+
     Args:
         model: a module with a `blocks` list whose items have an `ffn` module (recipes.gpt_model.GPT).
-        optimizer: the optimizer whose `step` is timed, or None.
+        optimizer: the torch optimizer whose `step` is timed, or None.
+
+    Raises:
+        TypeError: if optimizer is neither None nor a torch.optim.Optimizer.
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None):
-        self.seconds = defaultdict(list)  # "<part> forward" / "<part> backward" -> one time per call
-        self._started = {}
+        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}")
+        self.seconds = defaultdict(list)
+        self._started = {}  # a call's key -> its start time
+        self._calls = defaultdict(list)  # part -> keys of its forwards under way (pre-hook to hook)
         self._handles = []
         self._layers = []  # (name, is an MoE layer), in model order
         for i, block in enumerate(model.blocks):
@@ -46,32 +59,42 @@ class StepBreakdown:
             if isinstance(ffn, MoE):
                 self._time(ffn.deepspeed_moe.gate, f"{name} gate", backward=False)
                 self._time(ffn.deepspeed_moe.experts, f"{name} experts")
-        if isinstance(optimizer, torch.optim.Optimizer):
-            self._handles.append(optimizer.register_step_pre_hook(lambda *_: self._start("optimizer step")))
-            self._handles.append(optimizer.register_step_post_hook(lambda *_: self._stop("optimizer step")))
+        if optimizer is not None:
+            step = "optimizer step"
+            self._handles.append(optimizer.register_step_pre_hook(lambda *_: self._start(step)))
+            self._handles.append(optimizer.register_step_post_hook(lambda *_: self._stop(step, step)))
 
-    def _start(self, part: str) -> None:
-        self._started[part] = time.perf_counter()
+    def _start(self, key) -> None:
+        self._started[key] = time.perf_counter()
 
-    def _stop(self, part: str) -> None:
-        start = self._started.pop(part, None)
+    def _stop(self, key, part: str) -> None:
+        start = self._started.pop(key, None)
         if start is not None:
             self.seconds[part].append(time.perf_counter() - start)
 
     def _time(self, module: nn.Module, name: str, backward: bool = True) -> None:
-        """Forward of `module` from its pre-hook to its hook; backward from its output's gradient to its input's."""
+        """Training forwards of `module` from its pre-hook to its hook; their backward from the output's
+        gradient to the input's (a key per call pairs the two gradient hooks of one call)."""
 
         def before(_, args):
-            self._start(f"{name} forward")
+            if not torch.is_grad_enabled():
+                return
+            key = object()
             x = args[0] if args and isinstance(args[0], torch.Tensor) else None
-            if backward and x is not None and x.requires_grad:
-                x.register_hook(lambda grad: self._stop(f"{name} backward"))
+            timed = backward and x is not None and x.requires_grad
+            if timed:
+                x.register_hook(lambda grad: self._stop(("backward", key), f"{name} backward"))
+            self._calls[name].append((key, timed))
+            self._start(("forward", key))
 
         def after(_, args, output):
-            self._stop(f"{name} forward")
+            if not torch.is_grad_enabled() or not self._calls[name]:
+                return
+            key, timed = self._calls[name].pop()
+            self._stop(("forward", key), f"{name} forward")
             y = output[0] if isinstance(output, tuple) else output
-            if backward and isinstance(y, torch.Tensor) and y.requires_grad:
-                y.register_hook(lambda grad: self._start(f"{name} backward"))
+            if timed and isinstance(y, torch.Tensor) and y.requires_grad:
+                y.register_hook(lambda grad: self._start(("backward", key)))
 
         self._handles += [module.register_forward_pre_hook(before), module.register_forward_hook(after)]
 
@@ -79,39 +102,54 @@ class StepBreakdown:
         """Forget the times so far (the untimed steps')."""
         self.seconds.clear()
         self._started.clear()
+        self._calls.clear()
 
     def remove(self) -> None:
+        """Take every hook off the model and the optimizer; the times so far stay."""
         for handle in self._handles:
             handle.remove()
         self._handles = []
 
     def medians(self) -> dict[str, float]:
-        """Median ms per call of each part; for MoE layers also "dispatch and combine" (the layer less
-        its gate and experts) in the forward, and in the backward the layer less its experts."""
+        """Median ms per call of each part.
+
+        Returns:
+            "<part> forward" / "<part> backward" / "optimizer step" -> ms; for each MoE layer also
+            "<layer> rest forward" (the layer less its gate and experts) and "<layer> rest backward"
+            (less its experts), each the median of the per-call differences.
+        """
         ms = {part: 1e3 * statistics.median(times) for part, times in self.seconds.items() if times}
-        for part in list(ms):
-            if part.endswith(" MoE forward") and f"{part[:-8]} gate forward" in ms:
-                layer = part[:-8]
-                ms[f"{layer} rest forward"] = ms[part] - ms[f"{layer} gate forward"] - ms.get(f"{layer} experts forward", 0.0)
-            if part.endswith(" MoE backward") and f"{part[:-9]} experts backward" in ms:
-                layer = part[:-9]
-                ms[f"{layer} rest backward"] = ms[part] - ms[f"{layer} experts backward"]
+        for name, is_moe in self._layers:
+            parts = {"forward": (f"{name} gate forward", f"{name} experts forward"),
+                     "backward": (f"{name} experts backward",)}
+            for direction, inner in parts.items():
+                whole = self.seconds.get(f"{name} {direction}")
+                if not is_moe or not whole or not all(len(self.seconds.get(p, ())) == len(whole) for p in inner):
+                    continue
+                rest = [total - sum(self.seconds[p][i] for p in inner) for i, total in enumerate(whole)]
+                ms[f"{name} rest {direction}"] = 1e3 * statistics.median(rest)
         return ms
 
     def lines(self) -> list[str]:
-        """A table in model order, median ms per step of each part, forward and backward."""
+        """The table of `medians` in model order, forward and backward side by side.
+
+        Returns:
+            one string per line: a header, then "block <i> MLP|MoE", and under an MoE layer its gate,
+            experts and rest, then the optimizer step; "-" where a part has no time.
+        """
         ms = self.medians()
 
         def cell(key: str) -> str:
             return f"{ms[key]:9.2f}" if key in ms else f"{'-':>9}"
 
-        out = [f"{'part':<36} {'forward':>9} {'backward':>9}  (median ms)"]
+        calls = len(self.seconds.get(f"{self._layers[0][0]} forward", ())) if self._layers else 0
+        out = [f"{'part':<36} {'forward':>9} {'backward':>9}  (median ms of {calls} calls)"]
         for name, is_moe in self._layers:
             parts = [(name, name)]
             if is_moe:
                 parts += [("  gate (router, plan)", f"{name} gate"), ("  experts", f"{name} experts"),
                           ("  dispatch, combine, the rest", f"{name} rest")]
             out += [f"{label:<36} {cell(key + ' forward')} {cell(key + ' backward')}" for label, key in parts]
-        if "optimizer step" in self.seconds:
+        if "optimizer step" in ms:
             out.append(f"{'optimizer step':<36} {ms['optimizer step']:9.2f}")
         return out

@@ -1,7 +1,9 @@
-"""recipes.step_breakdown: timers on a GPT's feed-forward blocks, its MoE layers' gate and experts, and the optimizer."""
+"""recipes.step_breakdown: timers on a GPT's feed-forward blocks, its MoE layers' parts, and the optimizer."""
 
 import re
+import statistics
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -44,11 +46,38 @@ def test_each_block_and_the_moe_layers_parts_are_timed_once_per_step():
         assert inside <= seconds[f"{layer} forward"][i]
         assert seconds[f"{layer} experts backward"][i] <= seconds[f"{layer} backward"][i]
     ms = timer.medians()
-    assert ms[f"{layer} rest forward"] == ms[f"{layer} forward"] - ms[f"{layer} gate forward"] - ms[f"{layer} experts forward"]
-    assert ms[f"{layer} rest backward"] == ms[f"{layer} backward"] - ms[f"{layer} experts backward"]
+    rest_forward = [whole - gate - experts for whole, gate, experts in zip(
+        seconds[f"{layer} forward"], seconds[f"{layer} gate forward"], seconds[f"{layer} experts forward"])]
+    rest_backward = [whole - experts for whole, experts in zip(seconds[f"{layer} backward"],
+                                                               seconds[f"{layer} experts backward"])]
+    assert ms[f"{layer} rest forward"] == 1e3 * statistics.median(rest_forward)
+    assert ms[f"{layer} rest backward"] == 1e3 * statistics.median(rest_backward)
+    assert f"{mlp} rest forward" not in ms
     table = "\n".join(timer.lines())
+    assert "(median ms of 3 calls)" in table.splitlines()[0], table
     for label in (mlp, layer, "gate (router, plan)", "experts", "dispatch, combine, the rest", "optimizer step"):
         assert label in table, table
+
+
+def test_evaluation_forwards_and_inputs_without_gradient_are_not_timed():
+    model, optimizer, timer = _timed_gpt()
+    with torch.no_grad():
+        model(torch.randint(0, 256, (4, 32)))
+    assert not timer.seconds
+    for param in model.parameters():  # nothing before the blocks' feed-forward needs a gradient
+        param.requires_grad_(False)
+    for param in model.blocks[1].ffn.parameters():
+        param.requires_grad_(True)
+    logits, l_aux, _ = model(torch.randint(0, 256, (4, 32)))
+    (logits.float().square().mean() + l_aux).backward()
+    assert {part for part in timer.seconds if part.endswith("backward")} == set(), dict(timer.seconds)
+    assert len(timer.seconds["block 1 MoE forward"]) == 1
+
+
+def test_only_a_torch_optimizer_is_timed():
+    model = GPT(gpt.model_config(gpt.TrainConfig(**TINY)))
+    with pytest.raises(TypeError, match="optimizer must be a torch.optim.Optimizer or None, got dict"):
+        StepBreakdown(model, {"lr": 1e-3})
 
 
 def test_cleared_times_start_over_and_removed_hooks_time_nothing():
@@ -75,6 +104,9 @@ def test_bench_gpt_prints_the_breakdown_of_both_models(capsys):
     assert re.search(r"^\s+block 1 MoE" + numbers, moe_table, re.MULTILINE), moe_table
     assert re.search(r"^\s+experts" + numbers, moe_table, re.MULTILINE), moe_table
     assert re.search(r"^\s+gate \(router, plan\)\s+([0-9.]+)\s+-$", moe_table, re.MULTILINE), moe_table
+    assert "(median ms of 2 calls)" in moe_table, moe_table  # the untimed step's calls were cleared
     dense_table = out.split("dense model, parts of the timed steps:")[1]
     assert re.search(r"^\s+block 1 MLP" + numbers, dense_table, re.MULTILINE), dense_table
     assert "MoE" not in dense_table.split("CPU products")[0], dense_table
+    bench_gpt.main(args[:-1])
+    assert "parts of the timed steps" not in capsys.readouterr().out
