@@ -27,6 +27,11 @@ import time
 
 import torch
 
+try:
+    import resource
+except ImportError:  # not on POSIX systems: no page-fault counts
+    resource = None
+
 from kernels import gemm
 from moe import split_params_into_different_moe_groups_for_optimizer
 from optim import initialize
@@ -50,11 +55,7 @@ def _engine(cfg: gpt.TrainConfig):
 def _minor_faults() -> int | None:
     """The process's minor page faults so far (None where the OS does not count them): each is a fresh
     page of memory touched for the first time, about a microsecond or more apiece."""
-    try:
-        import resource
-    except ImportError:  # not on POSIX systems
-        return None
-    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    return None if resource is None else resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 def _spread(dense: list[float], moe: list[float]) -> str:

@@ -119,12 +119,12 @@ class StepBreakdown:
             (less its experts), each the median of the per-call differences.
         """
         ms = {part: 1e3 * statistics.median(times) for part, times in self.seconds.items() if times}
-        for name, is_moe in self._layers:
+        for name in (name for name, is_moe in self._layers if is_moe):
             parts = {"forward": (f"{name} gate forward", f"{name} experts forward"),
                      "backward": (f"{name} experts backward",)}
             for direction, inner in parts.items():
                 whole = self.seconds.get(f"{name} {direction}")
-                if not is_moe or not whole or not all(len(self.seconds.get(p, ())) == len(whole) for p in inner):
+                if not whole or not all(len(self.seconds.get(p, ())) == len(whole) for p in inner):
                     continue
                 rest = [total - sum(self.seconds[p][i] for p in inner) for i, total in enumerate(whole)]
                 ms[f"{name} rest {direction}"] = 1e3 * statistics.median(rest)
