@@ -1,4 +1,12 @@
-"""Run a test function on N gloo processes on this machine, failing fast with the rank's traceback."""
+"""Run a test function on N gloo processes on this machine, failing fast with the rank's traceback.
+
+Ranks start from a fork server that has imported torch and the project once (multiprocessing's
+"forkserver" context; "spawn" where there is none): a no-op run on 2 ranks took 0.06 s against 2.6 s
+with a fresh interpreter per rank, and tests/optim/test_buckets.py 10 s against 53 s, on a 2-core AMD
+EPYC. The fork server is a clean single-threaded process, so forking it is safe where forking the
+test process (with its OpenMP threads) would not be. Each rank takes the caller's environment as it
+is at the call, as a spawned process would.
+"""
 
 import os
 import queue
@@ -15,8 +23,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, world_size, port, fn, args, results):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
+# imported once by the fork server, before it forks any rank: torch and the packages under test, which
+# read their settings (MOE_* variables) when called, never when imported
+_PRELOAD = ["torch", "torch.distributed", "torch.multiprocessing", "kernels", "parallel", "moe", "optim"]
+
+
+def _worker(rank, world_size, port, fn, args, results, environ):
+    os.environ.clear()  # the caller's environment at the call (the fork server's is from its start)
+    os.environ.update(environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size))
     try:
         import datetime
 
@@ -36,10 +51,16 @@ def run_distributed(fn, world_size: int, *args, timeout_s: float = 240.0) -> Non
     Raises:
         AssertionError: naming the first rank that failed, with its traceback, or the ranks that timed out.
     """
-    context = mp.get_context("spawn")
+    if "forkserver" in mp.get_all_start_methods():
+        context = mp.get_context("forkserver")
+        context.set_forkserver_preload(_PRELOAD)
+    else:  # (Windows) a fresh interpreter per rank
+        context = mp.get_context("spawn")
     results = context.Queue()
     port = _free_port()
-    procs = [context.Process(target=_worker, args=(r, world_size, port, fn, args, results)) for r in range(world_size)]
+    environ = dict(os.environ)
+    procs = [context.Process(target=_worker, args=(r, world_size, port, fn, args, results, environ))
+             for r in range(world_size)]
     for p in procs:
         p.start()
     reports = {}
