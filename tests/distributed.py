@@ -1,18 +1,24 @@
 """Run a test function on N gloo processes on this machine, failing fast with the rank's traceback.
 
-Ranks start from a fork server that has imported torch and the project once (multiprocessing's
-"forkserver" context; "spawn" where there is none): a no-op run on 2 ranks took 0.06 s against 2.6 s
-with a fresh interpreter per rank, and tests/optim/test_buckets.py 10 s against 53 s, on a 2-core AMD
-EPYC. The fork server is a clean single-threaded process, so forking it is safe where forking the
-test process (with its OpenMP threads) would not be. Each rank takes the caller's environment as it
-is at the call, as a spawned process would.
+On Linux, ranks start from a fork server that has imported torch and the project once
+(multiprocessing's "forkserver" context; "spawn" elsewhere, where forking a process that imported
+torch is not safe): a no-op run on 2 ranks took 0.06 s against 2.6 s with a fresh interpreter per
+rank, and tests/optim/test_buckets.py 10 s against 53 s, on a 2-core AMD EPYC. The fork server is a
+clean single-threaded process, so forking it is safe where forking the test process (with its
+OpenMP threads) would not be. Each rank takes the caller's environment as it is at the call and a
+fresh random seed, as a spawned process would. What differs from spawn: settings read when a library
+loads (OMP_NUM_THREADS, TORCHINDUCTOR_*, TMPDIR) are those of the fork server's start, ranks print
+to the fork server's stdout and stderr (capfd does not see them), and the arguments may hold at most
+about 250 tensor storages (one file descriptor each).
 """
 
 import os
 import queue
 import socket
+import sys
 import traceback
 
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -32,6 +38,7 @@ def _worker(rank, world_size, port, fn, args, results, environ):
     os.environ.clear()  # the caller's environment at the call (the fork server's is from its start)
     os.environ.update(environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size))
+    torch.seed()  # the fork server's generator state is every rank's otherwise
     try:
         import datetime
 
@@ -51,10 +58,10 @@ def run_distributed(fn, world_size: int, *args, timeout_s: float = 240.0) -> Non
     Raises:
         AssertionError: naming the first rank that failed, with its traceback, or the ranks that timed out.
     """
-    if "forkserver" in mp.get_all_start_methods():
+    if sys.platform == "linux":
         context = mp.get_context("forkserver")
         context.set_forkserver_preload(_PRELOAD)
-    else:  # (Windows) a fresh interpreter per rank
+    else:  # a fresh interpreter per rank
         context = mp.get_context("spawn")
     results = context.Queue()
     port = _free_port()

@@ -17,7 +17,7 @@
    records; a fresh engine loads: its expert bias equals the saved one, and the same steps give the
    same losses and bias bit for bit.
 
-Two spawns (parts 1-2, parts 3-4): a spawn costs seconds here, a configuration inside one milliseconds.
+Two runs of 4 ranks (parts 1-2, parts 3-4): starting ranks costs far more than a configuration inside a run.
 Each rank uses one intra-op thread: 4 processes on a 2-core machine otherwise spend most of their
 time waiting on each other's threads (tens of times slower).
 """
