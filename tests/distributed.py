@@ -53,7 +53,7 @@ def _worker(rank, world_size, port, fn, args, results, environ):
 
 
 def run_distributed(fn, world_size: int, *args, timeout_s: float = 240.0) -> None:
-    """Spawn `world_size` processes running fn(rank, world_size, *args) in a gloo group.
+    """Start `world_size` processes running fn(rank, world_size, *args) in a gloo group.
 
     Raises:
         AssertionError: naming the first rank that failed, with its traceback, or the ranks that timed out.
