@@ -41,8 +41,9 @@ import torch.nn.functional as F
 
 from kernels import threads
 
-__all__ = ["BACKENDS", "MEASURE_FROM", "PIECE_ROWS", "adopt", "choices", "choose", "class_rows", "clear", "cpu_model",
-           "kept", "linear", "linear_tn", "measuring", "shape_key", "worth_measuring"]
+__all__ = ["BACKENDS", "MEASURE_FROM", "PIECE_ROWS", "adopt", "by_rows_class", "choices", "choose", "class_rows", "clear",
+           "cpu_model", "kept", "linear", "linear_function", "linear_tn", "linear_tn_function", "measuring", "shape_key",
+           "worth_measuring"]
 
 BACKENDS = ("blas", "onednn")
 PIECE_ROWS = 32
@@ -230,6 +231,21 @@ def _cpu_product(t: torch.Tensor) -> bool:
     return t.is_cpu and t.dtype in _ONEDNN_DTYPES and not torch.compiler.is_compiling()
 
 
+def linear_function(x_NI: torch.Tensor, w_OI: torch.Tensor, b_O: torch.Tensor | None = None,
+                    out: torch.Tensor | None = None):
+    """The backend `linear` runs for these operands, to be called as f(x_NI, w_OI, b_O, out).
+
+    A new shape class is measured here, on these operands. Loops over products that differ only in
+    their rows resolve it once per rows class (`by_rows_class`) instead of once per product.
+    """
+    if not _cpu_product(x_NI):
+        return _linear_blas
+    (n, width_in), width_out = x_NI.shape, w_OI.shape[0]
+    backend = _backend("linear", n, (width_in, width_out), x_NI.dtype, (x_NI, w_OI, b_O), n * width_in * width_out,
+                       lambda name: _LINEAR[name](x_NI, w_OI, b_O, out))
+    return _LINEAR[backend]
+
+
 def linear(x_NI: torch.Tensor, w_OI: torch.Tensor, b_O: torch.Tensor | None = None,
            out: torch.Tensor | None = None) -> torch.Tensor:
     """x @ w^T (+ b) through the measured backend for this shape class.
@@ -241,12 +257,17 @@ def linear(x_NI: torch.Tensor, w_OI: torch.Tensor, b_O: torch.Tensor | None = No
     Returns:
         The product, shape [N, O] (`out` when given).
     """
-    if not _cpu_product(x_NI):
-        return _linear_blas(x_NI, w_OI, b_O, out)
-    (n, width_in), width_out = x_NI.shape, w_OI.shape[0]
-    backend = _backend("linear", n, (width_in, width_out), x_NI.dtype, (x_NI, w_OI, b_O), n * width_in * width_out,
-                       lambda name: _LINEAR[name](x_NI, w_OI, b_O, out))
-    return _LINEAR[backend](x_NI, w_OI, b_O, out)
+    return linear_function(x_NI, w_OI, b_O, out)(x_NI, w_OI, b_O, out)
+
+
+def linear_tn_function(a_NP: torch.Tensor, b_NQ: torch.Tensor, out: torch.Tensor | None = None):
+    """The backend `linear_tn` runs for these operands, to be called as f(a_NP, b_NQ, out); see `linear_function`."""
+    if not _cpu_product(a_NP):
+        return _linear_tn_blas
+    (n, width_p), width_q = a_NP.shape, b_NQ.shape[1]
+    backend = _backend("linear_tn", n, (width_p, width_q), a_NP.dtype, (a_NP, b_NQ), n * width_p * width_q,
+                       lambda name: _LINEAR_TN[name](a_NP, b_NQ, out))
+    return _LINEAR_TN[backend]
 
 
 def linear_tn(a_NP: torch.Tensor, b_NQ: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -258,12 +279,34 @@ def linear_tn(a_NP: torch.Tensor, b_NQ: torch.Tensor, out: torch.Tensor | None =
     Returns:
         The product, shape [P, Q] (`out` when given).
     """
-    if not _cpu_product(a_NP):
-        return _linear_tn_blas(a_NP, b_NQ, out)
-    (n, width_p), width_q = a_NP.shape, b_NQ.shape[1]
-    backend = _backend("linear_tn", n, (width_p, width_q), a_NP.dtype, (a_NP, b_NQ), n * width_p * width_q,
-                       lambda name: _LINEAR_TN[name](a_NP, b_NQ, out))
-    return _LINEAR_TN[backend](a_NP, b_NQ, out)
+    return linear_tn_function(a_NP, b_NQ, out)(a_NP, b_NQ, out)
+
+
+def by_rows_class(function_of):
+    """A caller for one loop's products that differ only in their rows (N), such as an MoE layer's experts
+    (slices of stacked tensors): `function_of` (`linear_function` or `linear_tn_function`) is resolved
+    once per rows class, on the first product of the class, then called directly.
+
+    Between two products the CPU then runs a dict lookup instead of the backend's resolution (some
+    10 us of Python, which costs the products more than its own time). On a 2-core AMD EPYC with AVX2
+    the GPT recipe's expert MLP (8 experts, 48 products per forward and backward) took 0.9 ms more
+    than the same products called directly, against 3.4 ms with a resolution per product (medians of
+    5 alternating runs). For one thread's loop only: the concurrent plan's workers resolve per product,
+    each in its own thread's shape classes.
+
+    Returns:
+        run(*operands): the product, as `linear` or `linear_tn` would compute it.
+    """
+    chosen = {}
+
+    def run(*operands):
+        key = _rows_class(operands[0].shape[0])
+        function = chosen.get(key)
+        if function is None:
+            function = chosen[key] = function_of(*operands)
+        return function(*operands)
+
+    return run
 
 
 def kept(key: str) -> str | None:

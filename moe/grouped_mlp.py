@@ -151,7 +151,7 @@ def _backward_buffers(ctx, grad_y_NM) -> SimpleNamespace:
 def _hidden_gradient(b: SimpleNamespace, activation: tuple, e: int, w2_t, grad_h: torch.Tensor) -> torch.Tensor:
     """Expert e's hidden gradient written into grad_h ([n_e, H], contiguous): grad_y W2, then the
     activation's backward in place."""
-    gemm.linear(b.grad_y_e[e], w2_t[e], None, grad_h)
+    b.product_h(b.grad_y_e[e], w2_t[e], None, grad_h)
     _activation_backward(*activation, grad_h, b.h_e[e], b.a_e[e], grad_h)
     return grad_h
 
@@ -161,11 +161,11 @@ def _expert_gradients(b: SimpleNamespace, e: int, w1_t, grad_h: torch.Tensor | N
     grad_h (None when none of them needs it)."""
     grad_y = b.grad_y_e[e]
     if b.grad_x_NM is not None:
-        gemm.linear(grad_h, w1_t[e], None, b.grad_x_e[e])
+        b.product_x(grad_h, w1_t[e], None, b.grad_x_e[e])
     if b.grad_w2 is not None:
-        gemm.linear_tn(grad_y, b.a_e[e], b.grad_w2_e[e])
+        b.product_w2(grad_y, b.a_e[e], b.grad_w2_e[e])
     if b.grad_w1 is not None:
-        gemm.linear_tn(grad_h, b.x_e[e], b.grad_w1_e[e])
+        b.product_w1(grad_h, b.x_e[e], b.grad_w1_e[e])
     if b.grad_b2 is not None:
         torch.sum(grad_y, 0, out=b.grad_b2_e[e])
     if b.grad_b1 is not None:
@@ -181,6 +181,12 @@ def _expert_backward(ctx, b: SimpleNamespace, slots: int):
     """
     w1_t, w2_t = b.weight1.transpose(1, 2).unbind(0), b.weight2.transpose(1, 2).unbind(0)
     experts = _nonempty(ctx.counts)
+    # one thread: each product's backend resolved once per rows class; workers resolve per product,
+    # each in its own thread's classes (kernels.gemm)
+    one = slots == 1
+    b.product_h, b.product_x = (gemm.by_rows_class(gemm.linear_function) if one else gemm.linear for _ in range(2))
+    b.product_w2, b.product_w1 = (gemm.by_rows_class(gemm.linear_tn_function) if one else gemm.linear_tn
+                                  for _ in range(2))
     buffers = queue.SimpleQueue()
     if b.needs_h:
         for _ in range(min(slots, len(experts))):
@@ -209,11 +215,12 @@ class _PerExpertMLP(torch.autograd.Function):
         w1, w2, b1, b2 = (_per_expert(p, weight1.shape[0]) for p in (weight1, weight2, bias1, bias2))
         x_e, h_e, a_e, y_e = (t.split(counts) for t in (x_NM, h_NH, a_NH, y_NM))
         experts = _nonempty(counts)
+        first, second = (gemm.by_rows_class(gemm.linear_function) for _ in range(2))
         for e in experts:
-            gemm.linear(x_e[e], w1[e], b1[e], out=h_e[e])
+            first(x_e[e], w1[e], b1[e], h_e[e])
         _activate(name, approximate, h_NH, a_NH)  # one call for every row: faster than one per expert
         for e in experts:
-            gemm.linear(a_e[e], w2[e], b2[e], out=y_e[e])
+            second(a_e[e], w2[e], b2[e], y_e[e])
         _save(ctx, x_NM, weight1, weight2, h_NH, a_NH, counts, activation)
         return y_NM
 

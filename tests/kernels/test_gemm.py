@@ -96,6 +96,45 @@ def test_a_shape_class_is_measured_once_and_its_choice_kept(monkeypatch):
                                       "linear|64|24x40|float32|nt-"]
 
 
+def test_a_loop_resolves_each_rows_class_once_and_multiplies_as_linear_does(monkeypatch):
+    """by_rows_class: the backend is looked up on a class's first product only, and every product gives
+    the bits `linear` gives for the same operands (the same kept choice)."""
+    if not gemm.measuring(torch.float32):
+        pytest.skip("this torch build has no oneDNN linear: products always use BLAS")
+    measured = []
+
+    def fake_measure(runs):
+        measured.append(1)
+        return list(runs)[len(measured) % 2]  # alternates: neighbouring classes get different backends
+
+    monkeypatch.setattr(gemm, "_measure", fake_measure)
+    resolved = []
+
+    def function_of(*operands):
+        resolved.append(operands[0].shape[0])
+        return gemm.linear_function(*operands)
+
+    run = gemm.by_rows_class(function_of)
+    x, w, b = _operands(70, 24, 40, torch.float32, False)
+    rows = [40, 35, 10, 0, 64, 12, 1, 70]  # classes: 64, 64, 16, 0, 64, 16, 0, 128
+    outs = []
+    for n in rows:
+        out = torch.full((n, 40), float("nan"))
+        assert run(x[:n], w, b, out) is out
+        outs.append(out)
+    assert resolved == [40, 10, 0, 70]
+    assert set(gemm.choices().values()) == {"blas", "onednn"}
+    for n, out in zip(rows, outs):
+        assert torch.equal(out, gemm.linear(x[:n], w, b))
+        torch.testing.assert_close(out, F.linear(x[:n].double(), w.double(), b.double()).float(), **FP32)
+    run_tn = gemm.by_rows_class(gemm.linear_tn_function)
+    y = torch.randn(70, 40, generator=torch.Generator().manual_seed(5))
+    for n in (33, 40, 5):
+        out = torch.full((24, 40), float("nan"))
+        assert run_tn(x[:n], y[:n], out) is out
+        assert torch.equal(out, gemm.linear_tn(x[:n], y[:n]))
+
+
 def test_threads_measuring_one_class_at_once_all_use_the_first_choice_stored(monkeypatch):
     """Workers of a concurrent plan may meet a new class together; their timings may disagree, but the
     choice stored first is the one every caller multiplies with, now and later."""
