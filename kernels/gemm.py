@@ -282,25 +282,44 @@ def linear_tn(a_NP: torch.Tensor, b_NQ: torch.Tensor, out: torch.Tensor | None =
     return linear_tn_function(a_NP, b_NQ, out)(a_NP, b_NQ, out)
 
 
-def by_rows_class(function_of):
-    """A caller for one loop's products that differ only in their rows (N), such as an MoE layer's experts
-    (slices of stacked tensors): `function_of` (`linear_function` or `linear_tn_function`) is resolved
-    once per rows class, on the first product of the class, then called directly.
+def _linear_row_work(x_NI, w_OI, *_) -> int:
+    return x_NI.shape[1] * w_OI.shape[0]
 
-    Between two products the CPU then runs a dict lookup instead of the backend's resolution (some
-    10 us of Python, which costs the products more than its own time). On a 2-core AMD EPYC with AVX2
-    this made the GPT recipe's expert MLP (8 experts, 48 products per forward and backward) 2.3-2.5 ms
-    faster per call (about 70 ms; medians of 150 alternating calls in one process), 0.9 ms above the
-    same products called straight from a loop, against 3.4 ms before. For one thread's loop only:
-    the concurrent plan's workers resolve per product, each in its own thread's shape classes.
+
+def _linear_tn_row_work(a_NP, b_NQ, *_) -> int:
+    return a_NP.shape[1] * b_NQ.shape[1]
+
+
+def by_rows_class(kind: str):
+    """A caller for one loop's products that differ only in their rows (N), such as an MoE layer's experts
+    (slices of stacked tensors): each product runs the backend `linear` (kind "linear") or `linear_tn`
+    ("linear_tn") would run, resolved once per rows class and measuring decision, then called directly.
+
+    The backend of a product depends on its shape class and on whether it has MEASURE_FROM
+    multiply-adds (smaller ones take BLAS unmeasured), which can split a class; the rest (widths,
+    dtype, layouts) is the same for every product of such a loop. Between two products the CPU then
+    runs a dict lookup instead of the backend's resolution (some 10 us of Python, which costs the
+    products more than its own time). On a 2-core AMD EPYC with AVX2 this made the GPT recipe's
+    expert MLP (8 experts, 48 products per forward and backward) 2.3-2.5 ms faster per call (about
+    70 ms; medians of 150 alternating calls in one process), 0.9 ms above the same products called
+    straight from a loop, against 3.4 ms before. For one thread's loop only: the concurrent plan's
+    workers resolve per product, each in its own thread's shape classes.
 
     Returns:
-        run(*operands): the product, as `linear` or `linear_tn` would compute it.
+        run(*operands): the product, with the operands of `linear` or `linear_tn`.
+
+    Raises:
+        ValueError: for another kind.
     """
+    if kind not in ("linear", "linear_tn"):
+        raise ValueError(f"kind must be 'linear' or 'linear_tn', got {kind!r}")
+    function_of, row_work = ((linear_function, _linear_row_work) if kind == "linear"
+                             else (linear_tn_function, _linear_tn_row_work))
     chosen = {}
 
     def run(*operands):
-        key = _rows_class(operands[0].shape[0])
+        n = operands[0].shape[0]
+        key = (_rows_class(n), worth_measuring(n * row_work(*operands)))
         function = chosen.get(key)
         if function is None:
             function = chosen[key] = function_of(*operands)

@@ -184,9 +184,8 @@ def _expert_backward(ctx, b: SimpleNamespace, slots: int):
     # one thread: each product's backend resolved once per rows class; workers resolve per product,
     # each in its own thread's classes (kernels.gemm)
     one = slots == 1
-    b.product_h, b.product_x = (gemm.by_rows_class(gemm.linear_function) if one else gemm.linear for _ in range(2))
-    b.product_w2, b.product_w1 = (gemm.by_rows_class(gemm.linear_tn_function) if one else gemm.linear_tn
-                                  for _ in range(2))
+    b.product_h, b.product_x = (gemm.by_rows_class("linear") if one else gemm.linear for _ in range(2))
+    b.product_w2, b.product_w1 = (gemm.by_rows_class("linear_tn") if one else gemm.linear_tn for _ in range(2))
     buffers = queue.SimpleQueue()
     if b.needs_h:
         for _ in range(min(slots, len(experts))):
@@ -215,7 +214,7 @@ class _PerExpertMLP(torch.autograd.Function):
         w1, w2, b1, b2 = (_per_expert(p, weight1.shape[0]) for p in (weight1, weight2, bias1, bias2))
         x_e, h_e, a_e, y_e = (t.split(counts) for t in (x_NM, h_NH, a_NH, y_NM))
         experts = _nonempty(counts)
-        first, second = (gemm.by_rows_class(gemm.linear_function) for _ in range(2))
+        first, second = (gemm.by_rows_class("linear") for _ in range(2))
         for e in experts:
             first(x_e[e], w1[e], b1[e], h_e[e])
         _activate(name, approximate, h_NH, a_NH)  # one call for every row: faster than one per expert

@@ -96,9 +96,33 @@ def test_a_shape_class_is_measured_once_and_its_choice_kept(monkeypatch):
                                       "linear|64|24x40|float32|nt-"]
 
 
-def test_a_loop_resolves_each_rows_class_once_and_multiplies_as_linear_does(monkeypatch):
-    """by_rows_class: the backend is looked up on a class's first product only, and every product gives
-    the bits `linear` gives for the same operands (the same kept choice)."""
+def _spy_backends(monkeypatch) -> list:
+    """Record (kind, backend name, rows) of every product run from now on, whatever called it."""
+    ran = []
+    for kind, table in (("linear", gemm._LINEAR), ("linear_tn", gemm._LINEAR_TN)):
+        for name, real in list(table.items()):
+            def spy(*operands, _real=real, _kind=kind, _name=name):
+                ran.append((_kind, _name, operands[0].shape[0]))
+                return _real(*operands)
+            monkeypatch.setitem(table, name, spy)
+    return ran
+
+
+def _count_resolutions(monkeypatch) -> list:
+    resolved = []
+    real = gemm._backend
+
+    def counting(kind, n, *args):
+        resolved.append((kind, n))
+        return real(kind, n, *args)
+
+    monkeypatch.setattr(gemm, "_backend", counting)
+    return resolved
+
+
+def test_a_loop_resolves_each_rows_class_once_and_runs_what_linear_runs(monkeypatch):
+    """by_rows_class: a backend lookup on a class's first product only; every product runs the backend
+    `linear` / `linear_tn` runs for the same operands, and gives its bits."""
     if not gemm.measuring(torch.float32):
         pytest.skip("this torch build has no oneDNN linear: products always use BLAS")
     measured = []
@@ -108,31 +132,49 @@ def test_a_loop_resolves_each_rows_class_once_and_multiplies_as_linear_does(monk
         return list(runs)[len(measured) % 2]  # alternates: neighbouring classes get different backends
 
     monkeypatch.setattr(gemm, "_measure", fake_measure)
-    resolved = []
-
-    def function_of(*operands):
-        resolved.append(operands[0].shape[0])
-        return gemm.linear_function(*operands)
-
-    run = gemm.by_rows_class(function_of)
     x, w, b = _operands(70, 24, 40, torch.float32, False)
+    y = torch.randn(70, 40, generator=torch.Generator().manual_seed(5))
     rows = [40, 35, 10, 0, 64, 12, 1, 70]  # classes: 64, 64, 16, 0, 64, 16, 0, 128
+    resolved = _count_resolutions(monkeypatch)
+    ran = _spy_backends(monkeypatch)
+    run, run_tn = gemm.by_rows_class("linear"), gemm.by_rows_class("linear_tn")
     outs = []
     for n in rows:
-        out = torch.full((n, 40), float("nan"))
-        assert run(x[:n], w, b, out) is out
-        outs.append(out)
-    assert resolved == [40, 10, 0, 70]
+        out, out_tn = torch.full((n, 40), float("nan")), torch.full((24, 40), float("nan"))
+        assert run(x[:n], w, b, out) is out and run_tn(x[:n], y[:n], out_tn) is out_tn
+        outs.append((out, out_tn))
+    assert [n for kind, n in resolved if kind == "linear"] == [40, 10, 0, 70]
+    assert [n for kind, n in resolved if kind == "linear_tn"] == [40, 10, 0, 70]
     assert set(gemm.choices().values()) == {"blas", "onednn"}
-    for n, out in zip(rows, outs):
-        assert torch.equal(out, gemm.linear(x[:n], w, b))
+    looped, ran[:] = list(ran), []
+    for n, (out, out_tn) in zip(rows, outs):
+        assert torch.equal(out, gemm.linear(x[:n], w, b)) and torch.equal(out_tn, gemm.linear_tn(x[:n], y[:n]))
         torch.testing.assert_close(out, F.linear(x[:n].double(), w.double(), b.double()).float(), **FP32)
-    run_tn = gemm.by_rows_class(gemm.linear_tn_function)
-    y = torch.randn(70, 40, generator=torch.Generator().manual_seed(5))
-    for n in (33, 40, 5):
-        out = torch.full((24, 40), float("nan"))
-        assert run_tn(x[:n], y[:n], out) is out
-        assert torch.equal(out, gemm.linear_tn(x[:n], y[:n]))
+    assert looped == ran, "a product in the loop ran another backend than linear / linear_tn run for it"
+
+
+@pytest.mark.parametrize("rows", [[16, 10], [10, 16]])
+def test_a_loop_keeps_small_products_of_a_measured_class_on_blas(monkeypatch, rows):
+    """Products under MEASURE_FROM take BLAS unmeasured, also when a larger product of their class was measured."""
+    if not gemm.measuring(torch.float32):
+        pytest.skip("this torch build has no oneDNN linear: products always use BLAS")
+    monkeypatch.setattr(gemm, "MEASURE_FROM", 12 * 24 * 40)  # 12 rows of 24 x 40: 10 rows below, 16 above
+    monkeypatch.setattr(gemm, "_measure", lambda runs: "onednn")
+    x, w, b = _operands(16, 24, 40, torch.float32, False)
+    y = torch.randn(16, 40, generator=torch.Generator().manual_seed(5))
+    ran = _spy_backends(monkeypatch)
+    run, run_tn = gemm.by_rows_class("linear"), gemm.by_rows_class("linear_tn")
+    for n in rows:
+        run(x[:n], w, b, torch.empty(n, 40))
+        run_tn(x[:n], y[:n], torch.empty(24, 40))
+    backends = {(kind, n): name for kind, name, n in ran}
+    assert backends == {("linear", 16): "onednn", ("linear", 10): "blas", ("linear_tn", 16): "onednn",
+                        ("linear_tn", 10): "blas"}
+
+
+def test_a_loop_of_an_unknown_kind_is_refused():
+    with pytest.raises(ValueError, match="kind must be 'linear' or 'linear_tn', got 'mm'"):
+        gemm.by_rows_class("mm")
 
 
 def test_threads_measuring_one_class_at_once_all_use_the_first_choice_stored(monkeypatch):
