@@ -20,7 +20,7 @@ import torch
 
 from kernels.backend import use_triton
 
-__all__ = ["grouped_mm", "grouped_mm_reference", "grouped_mm_t", "grouped_mm_t_reference"]
+__all__ = ["grouped_mm", "grouped_mm_reference", "grouped_mm_t", "grouped_mm_t_reference", "torch_backend_runs"]
 
 BLOCK = 32  # tile edge of the Triton kernels (rows, columns and reduction)
 
@@ -114,11 +114,16 @@ def _kernels():
     return _grouped_mm_kernel, _grouped_mm_t_kernel
 
 
-def _backend(t: torch.Tensor) -> str:
-    """"torch" (torch._grouped_mm), "triton" or "loop"; MOE_GROUPED_GEMM forces one."""
+def _forced() -> str:
     forced = os.environ.get("MOE_GROUPED_GEMM", "auto")
     if forced not in ("auto", "torch", "triton", "loop"):
         raise ValueError(f"MOE_GROUPED_GEMM must be auto, torch, triton or loop, got {forced!r}")
+    return forced
+
+
+def _backend(t: torch.Tensor) -> str:
+    """"torch" (torch._grouped_mm), "triton" or "loop"; MOE_GROUPED_GEMM forces one."""
+    forced = _forced()
     if forced != "auto":
         return forced
     if _torch_grouped_mm_runs(t.device, t.dtype):
@@ -147,6 +152,14 @@ def _torch_grouped_mm_runs(device: torch.device, dtype: torch.dtype) -> bool:
 def runs_natively(x_NI: torch.Tensor, w_LIO: torch.Tensor) -> bool:
     """Whether `grouped_mm(x_NI, w_LIO, ...)` runs torch's own grouped GEMM (not the loop of products)."""
     return _backend(x_NI) == "torch" and _torch_fits(x_NI, w_LIO)
+
+
+def torch_backend_runs(device: torch.device, dtype: torch.dtype, widths) -> bool:
+    """Whether `grouped_mm` on `device` in `dtype`, on rows of these widths, takes torch's own grouped GEMM."""
+    forced = _forced()
+    if forced != "auto":
+        return forced == "torch"
+    return _torch_grouped_mm_runs(device, dtype) and all(width * dtype.itemsize % 16 == 0 for width in widths)
 
 
 def _torch_fits(*tensors: torch.Tensor) -> bool:

@@ -3,7 +3,8 @@
 `get_accelerator()` answers the questions a training script asks about its device without naming CUDA
 or the CPU: `torch.device(get_accelerator().current_device_name())`, `get_accelerator().manual_seed_all(s)`,
 `get_accelerator().memory_allocated()`. It is CUDA when `torch.cuda.is_available()` at the first call,
-else the CPU, and stays that for the life of the process.
+else the CPU, and stays that for the life of the process. DeepSpeed's variable `DS_ACCELERATOR=cpu`
+keeps a process off the GPUs (gloo, CPU tensors), as there; `DS_ACCELERATOR=cuda` insists on CUDA.
 
 The names, arguments and return types are DeepSpeed's accelerator surface, so scripts written against
 it run with the import renamed. Where the CPU answers differ (DeepSpeed's CPU accelerator prefers the
@@ -15,7 +16,9 @@ import os
 
 import torch
 
-__all__ = ["Accelerator", "get_accelerator"]
+__all__ = ["Accelerator", "accelerator_name", "get_accelerator"]
+
+ACCELERATOR_NAMES = ("cuda", "cpu")
 
 
 class Accelerator:
@@ -243,13 +246,29 @@ def _sysconf_bytes(pages: str) -> int:
 _accelerator: Accelerator | None = None
 
 
+def accelerator_name() -> str:
+    """"cuda" or "cpu": DS_ACCELERATOR when it is set, else "cuda" when torch.cuda.is_available().
+
+    Raises:
+        ValueError: DS_ACCELERATOR names another accelerator, or "cuda" where torch sees no GPU.
+    """
+    forced = os.environ.get("DS_ACCELERATOR", "")
+    if not forced:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if forced not in ACCELERATOR_NAMES:
+        raise ValueError(f"DS_ACCELERATOR must be one of {list(ACCELERATOR_NAMES)} or unset, got {forced!r}")
+    if forced == "cuda" and not torch.cuda.is_available():
+        raise ValueError("DS_ACCELERATOR='cuda', but torch sees no CUDA device here; unset it or use 'cpu'")
+    return forced
+
+
 def get_accelerator() -> Accelerator:
-    """The process's accelerator, made at the first call: CUDA when torch.cuda.is_available(), else CPU.
+    """The process's accelerator, made at the first call: see `accelerator_name`.
 
     Returns:
         The same `CudaAccelerator` or `CpuAccelerator` object on every call.
     """
     global _accelerator
     if _accelerator is None:
-        _accelerator = CudaAccelerator() if torch.cuda.is_available() else CpuAccelerator()
+        _accelerator = CudaAccelerator() if accelerator_name() == "cuda" else CpuAccelerator()
     return _accelerator

@@ -6,6 +6,8 @@ import os
 import torch
 import torch.distributed as dist
 
+from parallel.accelerator import accelerator_name
+
 __all__ = ["init_distributed", "local_device"]
 
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -18,7 +20,7 @@ def init_distributed(backend: str | None = None, timeout_s: float = 600.0) -> tu
     initialised: nothing changes.
 
     Args:
-        backend: "nccl" or "gloo"; default nccl when CUDA is available, else gloo.
+        backend: "nccl" or "gloo"; default nccl on CUDA, else gloo (see `accelerator_name`).
         timeout_s: collective timeout, so a hang fails instead of stalling.
 
     Returns:
@@ -35,7 +37,7 @@ def init_distributed(backend: str | None = None, timeout_s: float = 600.0) -> tu
     if len(present) != len(TORCHRUN_VARIABLES):
         missing = [name for name in TORCHRUN_VARIABLES if name not in os.environ]
         raise ValueError(f"torchrun environment incomplete: {missing} missing; launch with torchrun")
-    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    backend = backend or ("nccl" if accelerator_name() == "cuda" else "gloo")
     if backend == "nccl":
         torch.cuda.set_device(local_device())
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
@@ -43,7 +45,7 @@ def init_distributed(backend: str | None = None, timeout_s: float = 600.0) -> tu
 
 
 def local_device() -> torch.device:
-    """This process's device: cuda:LOCAL_RANK when CUDA is there, else the CPU.
+    """This process's device: cuda:LOCAL_RANK on CUDA, else the CPU (see `accelerator_name`).
 
     Without LOCAL_RANK (a launcher other than torchrun), the GPU is RANK modulo the GPUs on the node,
     so ranks never all land on cuda:0.
@@ -51,7 +53,7 @@ def local_device() -> torch.device:
     Raises:
         ValueError: LOCAL_RANK or RANK is not a non-negative integer, or LOCAL_RANK names no GPU here.
     """
-    if not torch.cuda.is_available():
+    if accelerator_name() == "cpu":
         return torch.device("cpu")
     name = "LOCAL_RANK" if "LOCAL_RANK" in os.environ else "RANK"
     value = os.environ.get(name, "0")
@@ -59,5 +61,6 @@ def local_device() -> torch.device:
         raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
     count = max(torch.cuda.device_count(), 1)
     if name == "LOCAL_RANK" and int(value) >= count:
-        raise ValueError(f"LOCAL_RANK ({value}) must be below the number of GPUs on this node ({count})")
+        raise ValueError(f"LOCAL_RANK ({value}) must be below the number of GPUs on this node ({count}); "
+                         "DS_ACCELERATOR=cpu runs the ranks on the CPU")
     return torch.device("cuda", int(value) % count)

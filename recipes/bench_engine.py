@@ -184,7 +184,7 @@ def main(argv=None) -> list[dict]:
         if have_deepspeed and stage < 3:  # DeepSpeed's stage 3 with MoE layers is not run here
             engines["deepspeed"] = deepspeed_engine(cfg, stage, mine.module)
         if rank == 0 and stage == cfg.stages[0]:
-            layout = mine.module.blocks[0].moe.deepspeed_moe._layout(x.device)
+            layout = mine.module.blocks[0].moe.deepspeed_moe._layout(x.device, x.dtype)
             print(f"config: {asdict(cfg)} processes={world} threads/process={torch.get_num_threads()}")
             print(f"CPU: {cpu_name()}; torch {torch.__version__}; our expert layout: {layout}; "
                   f"AdamW fused: {mine.optimizer.defaults.get('fused')}; deepspeed: {have_deepspeed}")

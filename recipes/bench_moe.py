@@ -28,6 +28,7 @@ from torch import nn
 
 from kernels import gemm, grouped_mm, grouped_mm_t, threads
 from moe import MoE
+from moe.layer import EXPERT_LAYOUTS
 from optim.memory import LiveBytes
 from recipes.cli import flag_parser
 from recipes.training import cpu_name
@@ -54,6 +55,9 @@ class BenchConfig:
         "help": "the input needs a gradient, as for a layer after others in a model (six products per expert "
                 "in the backward, not five)"})
     device: str = "cuda" if torch.cuda.is_available() else "cpu"
+    expert_layout: str = field(default="auto", metadata={
+        "choices": list(EXPERT_LAYOUTS), "help": "our layer's expert layout (auto: packed on the CPU; on a GPU "
+                                                 "padded when dropping, grouped when dropless)"})
 
 
 def _sync(device):
@@ -108,7 +112,7 @@ def time_interleaved(steps: dict, cfg: BenchConfig, device) -> dict:
     return {name: statistics.median(values) * 1e3 for name, values in times.items()}
 
 
-def expert_matmuls(counts: list[int], cfg: BenchConfig, device, ours: bool):
+def expert_matmuls(counts: list[int], cfg: BenchConfig, device, ours: bool, layout: str = "packed"):
     """The experts' products of one forward+backward, alone, as each layer issues them (forward products
     with their biases, as both layers' products add them); the input gradient of the first product
     only with --input-grad, as both layers' backward computes it only then.
@@ -117,6 +121,8 @@ def expert_matmuls(counts: list[int], cfg: BenchConfig, device, ours: bool):
     products were measured to use (or one grouped GEMM per product, or experts side by side on worker
     threads with the backends measured there, when the layer chose that plan), without the layer's
     activations and sums around them.
+    With the padded layout (ours on a GPU when dropping): batched products on the [E, C, M] capacity
+    buffer, as `moe.experts` issues them; with the grouped layout, one grouped GEMM per product.
     DeepSpeed's: torch's default products (F.linear forward, mm backward) per expert on the full
     capacity buffer, as autograd runs nn.Linear.
     """
@@ -158,6 +164,17 @@ def expert_matmuls(counts: list[int], cfg: BenchConfig, device, ours: bool):
         grouped_mm_t(gy, a, counts)
         grouped_mm_t(gh, x, counts)
 
+    def run_padded():
+        L, C = len(counts), counts[0]
+        x3, h3, a3, gy3, gh3 = (t.view(L, C, -1) for t in (x, h, a, gy, gh))
+        torch.baddbmm(b1.unsqueeze(1), x3, w1.transpose(1, 2), out=h3)
+        torch.baddbmm(b2.unsqueeze(1), a3, w2.transpose(1, 2), out=y.view(L, C, -1))
+        torch.bmm(gy3, w2, out=ga.view(L, C, -1))
+        if cfg.input_grad:
+            torch.bmm(gh3, w1, out=gx.view(L, C, -1))
+        torch.bmm(gy3.transpose(1, 2), a3, out=gw2)
+        torch.bmm(gh3.transpose(1, 2), x3, out=gw1)
+
     def run_deepspeed():
         for e, rows in experts:
             nn.functional.linear(x[rows], w1[e], b1[e])
@@ -171,6 +188,10 @@ def expert_matmuls(counts: list[int], cfg: BenchConfig, device, ours: bool):
 
     if not ours:
         return run_deepspeed
+    if layout == "padded":
+        return run_padded
+    if layout == "grouped":
+        return run_grouped
     plans = {choice for key, choice in gemm.choices().items() if key.startswith("mlp")}  # the layer's plan
     return run_grouped if "grouped" in plans else run_concurrent if "concurrent" in plans else run_ours
 
@@ -231,7 +252,8 @@ def main(argv=None) -> dict:
     torch.manual_seed(cfg.seed)
     expert = make_expert(cfg)
     x = torch.randn(cfg.tokens, cfg.hidden, device=device, dtype=dtype).requires_grad_(cfg.input_grad)
-    ours = MoE(cfg.hidden, expert, num_experts=cfg.experts, k=cfg.k, capacity_factor=cfg.capacity_factor).to(device, dtype)
+    ours = MoE(cfg.hidden, expert, num_experts=cfg.experts, k=cfg.k, capacity_factor=cfg.capacity_factor,
+               expert_layout=cfg.expert_layout).to(device, dtype)
     ours.deepspeed_moe.gate.float()
     layers = {"ours": ours}
     if cfg.deepspeed != "off":
@@ -245,13 +267,17 @@ def main(argv=None) -> dict:
             layers["deepspeed"] = theirs
     steps = {name: layer_step(layer, x) for name, layer in layers.items()}
     steps["ours"]()
-    rows = {"ours": ours.deepspeed_moe.routing.kept_counts().tolist()}
     capacity = max(math.ceil(cfg.tokens / cfg.experts * cfg.capacity_factor * cfg.k), 4)
-    rows["deepspeed"] = [capacity] * cfg.experts  # DeepSpeed multiplies the whole capacity buffer
+    layout = ours.deepspeed_moe._layout(device, dtype)
+    # the rows each layer multiplies: the routed tokens (ours, packed or grouped), or the whole capacity
+    # buffer (DeepSpeed, and ours padded)
+    routing = ours.deepspeed_moe.routing
+    rows = {"ours": [int(routing.capacity)] * cfg.experts if layout == "padded" else routing.kept_counts().tolist(),
+            "deepspeed": [capacity] * cfg.experts}
     for name in layers:
-        steps[f"{name} matmuls"] = expert_matmuls(rows[name], cfg, device, ours=name == "ours")
+        steps[f"{name} matmuls"] = expert_matmuls(rows[name], cfg, device, ours=name == "ours", layout=layout)
     ms = time_interleaved(steps, cfg, device)
-    print(f"CPU products (shape classes -> backend, measured): {chosen_backends()}")
+    print(f"our expert layout: {layout}; CPU products (shape classes -> backend, measured): {chosen_backends()}")
     results = {}
     for name, layer in layers.items():
         peak = peak_memory(steps[name], device)

@@ -5,6 +5,11 @@ import os
 import pytest
 import torch
 
+# The engine and recipe tests compare against one-process CPU references over gloo ranks (several per
+# machine, more than its GPUs): they run on the CPU on a GPU machine too. The kernel and layer tests
+# name their device themselves (tests/devices.py) and run on CUDA where it is.
+os.environ["DS_ACCELERATOR"] = "cpu"
+
 if not torch.cuda.is_available():
     # must be set before triton is first imported: kernels then run in the interpreter on CPU tensors
     os.environ.setdefault("TRITON_INTERPRET", "1")

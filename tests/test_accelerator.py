@@ -29,6 +29,7 @@ def fresh(monkeypatch):
     monkeypatch.setattr(accelerator_module, "_accelerator", None)
     monkeypatch.delenv("LOCAL_RANK", raising=False)
     monkeypatch.delenv("LOCAL_SIZE", raising=False)
+    monkeypatch.delenv("DS_ACCELERATOR", raising=False)
 
 
 def test_exported_from_parallel():
@@ -145,10 +146,10 @@ def test_cuda_fp16_needs_volta(fresh, monkeypatch):
 
 
 def test_cuda_on_accelerator_by_device_type(fresh, monkeypatch):
+    with FakeTensorMode():  # made before torch.cuda is patched: on a real GPU machine too it names cuda:0
+        on_gpu = torch.empty(4, device="cuda:0")
     _FakeCuda(monkeypatch)
     acc = get_accelerator()
-    with FakeTensorMode():
-        on_gpu = torch.empty(4, device="cuda")
     assert acc.on_accelerator(on_gpu) is True
     assert acc.on_accelerator(torch.zeros(4)) is False
 
@@ -165,3 +166,28 @@ def test_cpu_reserved_total_and_available_memory(fresh, monkeypatch):
         fields = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in meminfo}
     assert acc.total_memory() == fields["MemTotal"]
     assert 0 < acc.available_memory() <= acc.total_memory()
+
+
+def test_ds_accelerator_cpu_keeps_a_gpu_machine_on_the_cpu(fresh, monkeypatch):
+    """DeepSpeed's DS_ACCELERATOR=cpu: the CPU accelerator, gloo and CPU devices beside visible GPUs."""
+    cuda = _FakeCuda(monkeypatch)
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    monkeypatch.setenv("LOCAL_RANK", "5")
+    acc = get_accelerator()
+    assert acc._name == "cpu" and acc.communication_backend_name() == "gloo"
+    assert parallel.local_device() == torch.device("cpu")
+    assert not any(name == "set_device" for name, *_ in cuda.calls)
+    monkeypatch.setenv("DS_ACCELERATOR", "cuda")
+    assert parallel.accelerator_name() == "cuda" and parallel.local_device() == torch.device("cuda", 5)
+
+
+def test_ds_accelerator_rejects_what_it_cannot_give(fresh, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setenv("DS_ACCELERATOR", "xpu")
+    with pytest.raises(ValueError, match=r"DS_ACCELERATOR must be one of \['cuda', 'cpu'\] or unset, got 'xpu'"):
+        get_accelerator()
+    monkeypatch.setenv("DS_ACCELERATOR", "cuda")
+    with pytest.raises(ValueError, match="DS_ACCELERATOR='cuda', but torch sees no CUDA device"):
+        parallel.local_device()
+    monkeypatch.setenv("DS_ACCELERATOR", "")
+    assert get_accelerator()._name == "cpu"

@@ -35,6 +35,7 @@ def test_expert_parameters_carry_their_layout(monkeypatch):
 
 
 def test_local_device_without_local_rank_spreads_ranks_over_gpus(monkeypatch):
+    monkeypatch.delenv("DS_ACCELERATOR", raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
     monkeypatch.delenv("LOCAL_RANK", raising=False)
@@ -131,3 +132,44 @@ def _unequal_tokens(rank, world_size):
 
 def test_padded_expert_parallelism_with_unequal_token_counts_fails_on_every_rank():
     run_distributed(_unequal_tokens, 2)
+
+
+class _Doubled(nn.Module):
+    """An expert that is not a plain MLP: the experts stay separate modules, not stacked weights."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(16, 16)
+
+    def forward(self, x):
+        return 2 * self.linear(x)
+
+
+def test_auto_layout_on_a_gpu_is_grouped_where_torch_grouped_gemm_runs_in_bf16(monkeypatch):
+    """Dropping on a GPU, "auto" takes the grouped layout (no empty slots multiplied, no host sync) for one
+    process's stacked experts in bf16 where torch's grouped GEMM runs, and the padded one otherwise."""
+    from kernels import grouped_gemm
+
+    monkeypatch.delenv("MOE_GROUPED_GEMM", raising=False)
+    monkeypatch.setattr(grouped_gemm, "_torch_grouped_mm_runs", lambda device, dtype: dtype == torch.bfloat16)
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+
+    def layer(hidden=16, expert=None, **kwargs):
+        expert = expert or nn.Sequential(nn.Linear(hidden, 32), nn.GELU(), nn.Linear(32, hidden))
+        return MoE(hidden, expert, num_experts=4, k=2, **kwargs).deepspeed_moe
+
+    assert layer()._layout(cuda, torch.bfloat16) == "grouped"
+    assert layer()._layout(cuda, torch.float32) == "padded"
+    assert layer()._layout(cuda, torch.float16) == "padded"
+    assert layer()._layout(cpu, torch.bfloat16) == "packed"
+    assert layer(hidden=12)._layout(cuda, torch.bfloat16) == "padded"  # 24-byte rows: torch's GEMM refuses them
+    assert layer(expert=_Doubled())._layout(cuda, torch.bfloat16) == "padded"  # experts that are not stacked
+    assert layer(expert_layout="padded")._layout(cuda, torch.bfloat16) == "padded"
+    assert layer(drop_tokens=False)._layout(cuda, torch.float32) == "grouped"
+    monkeypatch.setenv("MOE_GROUPED_GEMM", "triton")
+    assert layer()._layout(cuda, torch.bfloat16) == "padded"
+    monkeypatch.setenv("MOE_GROUPED_GEMM", "torch")
+    assert layer()._layout(cuda, torch.bfloat16) == "grouped"
+    monkeypatch.delenv("MOE_GROUPED_GEMM")
+    with simulated_world(monkeypatch, 2, 0):
+        assert layer(ep_size=2)._layout(cuda, torch.bfloat16) == "padded"  # its splits would need a host read
