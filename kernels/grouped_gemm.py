@@ -157,9 +157,10 @@ def runs_natively(x_NI: torch.Tensor, w_LIO: torch.Tensor) -> bool:
 def torch_backend_runs(device: torch.device, dtype: torch.dtype, widths) -> bool:
     """Whether `grouped_mm` on `device` in `dtype`, on rows of these widths, takes torch's own grouped GEMM."""
     forced = _forced()
+    fits = all(width * dtype.itemsize % 16 == 0 for width in widths)  # as `_torch_fits`
     if forced != "auto":
-        return forced == "torch"
-    return _torch_grouped_mm_runs(device, dtype) and all(width * dtype.itemsize % 16 == 0 for width in widths)
+        return forced == "torch" and fits
+    return fits and _torch_grouped_mm_runs(device, dtype)
 
 
 def _torch_fits(*tensors: torch.Tensor) -> bool:

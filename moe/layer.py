@@ -84,7 +84,8 @@ class MOELayer(nn.Module):
 
         On an H200 (bf16, 64 experts, hidden 2048, ffn 8192, 16384 tokens, top-2, capacity factor 1.25)
         a step took 15.6 ms grouped against 27.9 ms padded; at hidden 512, ffn 2048, 8192 tokens,
-        3.3 against 2.9 ms (16 experts) and 3.9 against 3.7 ms (64): launch-bound, see README.
+        3.3 against 2.9 ms (16 experts) and 3.9 against 3.7 ms (64): small layers may do better
+        with expert_layout="padded" (see README).
         """
         if self.expert_layout != "auto":
             return self.expert_layout
@@ -95,7 +96,7 @@ class MOELayer(nn.Module):
         dtype = autocast_dtype(device) or dtype
         # measured in bf16 only: fp32 and fp16 keep the padded layout until a GPU run times them
         if (dtype == torch.bfloat16 and self.ep_size == 1 and self.experts.stacked
-                and torch_backend_runs(device, dtype, self.experts.weight1.shape[1:])):
+                and torch_backend_runs(device, dtype, (*self.experts.weight1.shape[1:], self.experts.weight2.shape[1]))):
             return "grouped"
         return "padded"
 

@@ -41,6 +41,7 @@ from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, TensorWrite
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from kernels import gemm
+from parallel import accelerator_name
 
 __all__ = ["save", "load", "consolidated_state_dict", "verify"]
 
@@ -225,7 +226,7 @@ def _global_view(engine, with_optimizer: bool = True) -> dict[str, torch.Tensor]
 
 def _rng_state() -> dict:
     state = {"cpu": torch.get_rng_state()}
-    if torch.cuda.is_available():
+    if accelerator_name() == "cuda":
         state["cuda"] = torch.cuda.get_rng_state()
     return state
 
@@ -551,7 +552,7 @@ def load(engine, load_dir: str, tag: str | None, load_optimizer_states: bool = T
         gemm.adopt(meta["gemm"][engine.rank % len(meta["gemm"])])
     rng = meta["rng"][engine.rank % len(meta["rng"])]
     torch.set_rng_state(rng["cpu"])
-    if "cuda" in rng and torch.cuda.is_available():
+    if "cuda" in rng and accelerator_name() == "cuda":
         torch.cuda.set_rng_state(rng["cuda"])
     engine.zero_grad()
     return path, meta["client_state"]

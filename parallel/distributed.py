@@ -27,7 +27,7 @@ def init_distributed(backend: str | None = None, timeout_s: float = 600.0) -> tu
         (rank, world_size).
 
     Raises:
-        ValueError: some but not all of torchrun's variables are set.
+        ValueError: some but not all of torchrun's variables are set, or nccl is asked for on the CPU.
     """
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
@@ -38,6 +38,9 @@ def init_distributed(backend: str | None = None, timeout_s: float = 600.0) -> tu
         missing = [name for name in TORCHRUN_VARIABLES if name not in os.environ]
         raise ValueError(f"torchrun environment incomplete: {missing} missing; launch with torchrun")
     backend = backend or ("nccl" if accelerator_name() == "cuda" else "gloo")
+    if backend == "nccl" and accelerator_name() == "cpu":
+        raise ValueError("backend 'nccl' needs GPUs, but this process runs on the CPU (DS_ACCELERATOR=cpu, or no "
+                         "CUDA device); use backend 'gloo'")
     if backend == "nccl":
         torch.cuda.set_device(local_device())
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))

@@ -19,6 +19,7 @@ from torch import nn
 
 from kernels import buffer_rows, expert_positions, permute, permute_reference, unpermute_combine, unpermute_combine_reference
 from moe import MoE
+from parallel import accelerator_name
 from recipes.cli import flag_parser
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -31,10 +32,10 @@ class KernelBenchConfig:
     hidden: int = 4096
     experts: int = 8
     capacity_factor: float = 1.25
-    dtype: str = "bf16" if torch.cuda.is_available() else "fp32"
+    dtype: str = "bf16" if accelerator_name() == "cuda" else "fp32"
     steps: int = 20
     warmup: int = 5
-    device: str = "cuda" if torch.cuda.is_available() else "cpu"
+    device: str = accelerator_name()
 
 
 def _time(fn, cfg: KernelBenchConfig, device) -> float:

@@ -30,6 +30,7 @@ from kernels import gemm, grouped_mm, grouped_mm_t, threads
 from moe import MoE
 from moe.layer import EXPERT_LAYOUTS
 from optim.memory import LiveBytes
+from parallel import accelerator_name
 from recipes.cli import flag_parser
 from recipes.training import cpu_name
 
@@ -54,10 +55,11 @@ class BenchConfig:
     input_grad: bool = field(default=False, metadata={
         "help": "the input needs a gradient, as for a layer after others in a model (six products per expert "
                 "in the backward, not five)"})
-    device: str = "cuda" if torch.cuda.is_available() else "cpu"
+    device: str = accelerator_name()
     expert_layout: str = field(default="auto", metadata={
         "choices": list(EXPERT_LAYOUTS), "help": "our layer's expert layout (auto: packed on the CPU; on a GPU "
-                                                 "padded when dropping, grouped when dropless)"})
+                                                 "grouped in bf16 where torch's grouped GEMM runs, else padded "
+                                                 "when dropping; see moe.layer.MOELayer)"})
 
 
 def _sync(device):
@@ -121,7 +123,7 @@ def expert_matmuls(counts: list[int], cfg: BenchConfig, device, ours: bool, layo
     products were measured to use (or one grouped GEMM per product, or experts side by side on worker
     threads with the backends measured there, when the layer chose that plan), without the layer's
     activations and sums around them.
-    With the padded layout (ours on a GPU when dropping): batched products on the [E, C, M] capacity
+    With the padded layout: batched products on the [E, C, M] capacity
     buffer, as `moe.experts` issues them; with the grouped layout, one grouped GEMM per product.
     DeepSpeed's: torch's default products (F.linear forward, mm backward) per expert on the full
     capacity buffer, as autograd runs nn.Linear.

@@ -170,13 +170,12 @@ def test_cpu_reserved_total_and_available_memory(fresh, monkeypatch):
 
 def test_ds_accelerator_cpu_keeps_a_gpu_machine_on_the_cpu(fresh, monkeypatch):
     """DeepSpeed's DS_ACCELERATOR=cpu: the CPU accelerator, gloo and CPU devices beside visible GPUs."""
-    cuda = _FakeCuda(monkeypatch)
+    _FakeCuda(monkeypatch)
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")
     monkeypatch.setenv("LOCAL_RANK", "5")
     acc = get_accelerator()
     assert acc._name == "cpu" and acc.communication_backend_name() == "gloo"
     assert parallel.local_device() == torch.device("cpu")
-    assert not any(name == "set_device" for name, *_ in cuda.calls)
     monkeypatch.setenv("DS_ACCELERATOR", "cuda")
     assert parallel.accelerator_name() == "cuda" and parallel.local_device() == torch.device("cuda", 5)
 
@@ -191,3 +190,26 @@ def test_ds_accelerator_rejects_what_it_cannot_give(fresh, monkeypatch):
         parallel.local_device()
     monkeypatch.setenv("DS_ACCELERATOR", "")
     assert get_accelerator()._name == "cpu"
+
+
+def test_init_distributed_takes_its_backend_from_the_accelerator(fresh, monkeypatch):
+    """nccl on a (fake) 8-GPU node, on cuda:LOCAL_RANK; gloo with DS_ACCELERATOR=cpu, and nccl refused there."""
+    from parallel import distributed
+
+    cuda = _FakeCuda(monkeypatch)
+    backends = []
+    monkeypatch.setattr(distributed.dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(distributed.dist, "init_process_group", lambda backend, timeout: backends.append(backend))
+    monkeypatch.setattr(distributed.dist, "get_rank", lambda: 5)
+    monkeypatch.setattr(distributed.dist, "get_world_size", lambda: 8)
+    for name, value in (("RANK", "5"), ("WORLD_SIZE", "8"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "1"),
+                        ("LOCAL_RANK", "5")):
+        monkeypatch.setenv(name, value)
+    assert parallel.init_distributed() == (5, 8)
+    assert backends == ["nccl"] and ("set_device", torch.device("cuda", 5)) in cuda.calls
+    cuda.calls.clear()
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    assert parallel.init_distributed() == (5, 8)
+    assert backends == ["nccl", "gloo"] and not any(name == "set_device" for name, *_ in cuda.calls)
+    with pytest.raises(ValueError, match="backend 'nccl' needs GPUs, but this process runs on the CPU"):
+        parallel.init_distributed(backend="nccl")

@@ -362,6 +362,34 @@ def test_grouped_gemm_path_equals_per_expert_products(bias, gemm, dropless, monk
         torch.testing.assert_close(p.grad, p2.grad, **FP32, msg=name)
 
 
+def test_bf16_auto_layout_equals_padded_when_dropping():
+    """The layout "auto" takes in bf16 when dropping (grouped where torch's grouped GEMM runs on a GPU,
+    packed on the CPU) gives the padded layout's outputs and gradients, within bf16 rounding."""
+    from kernels.grouped_gemm import torch_backend_runs
+
+    torch.manual_seed(16)
+    kwargs = dict(num_experts=4, k=2, capacity_factor=0.5, min_capacity=0, top2_2nd_expert_sampling=False)
+    auto = MoE(16, _mlp(16, 32), **kwargs).to(DEVICE, torch.bfloat16)
+    padded = MoE(16, _mlp(16, 32), expert_layout="padded", **kwargs).to(DEVICE, torch.bfloat16)
+    padded.load_state_dict(auto.state_dict())
+    grouped_runs = DEVICE.type == "cuda" and torch_backend_runs(DEVICE, torch.bfloat16, (16, 32))
+    expected = "packed" if DEVICE.type == "cpu" else "grouped" if grouped_runs else "padded"
+    assert auto.deepspeed_moe._layout(DEVICE, torch.bfloat16) == expected
+    x = torch.randn(40, 16, device=DEVICE, dtype=torch.bfloat16)
+    results = []
+    for layer in (auto, padded):
+        xb = x.clone().requires_grad_()
+        out, l_aux, _ = layer(xb)
+        (out.float().square().sum() + l_aux).backward()
+        results.append((out.float(), xb.grad.float(), [p.grad.float() for p in layer.parameters()]))
+    assert bool((auto.deepspeed_moe.routing.expert_idx_SK < 0).any()), "the test should drop choices"
+    (out, gx, grads), (out2, gx2, grads2) = results
+    torch.testing.assert_close(out, out2, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(gx, gx2, rtol=2e-2, atol=2e-2)
+    for g, g2 in zip(grads, grads2):
+        torch.testing.assert_close(g, g2, rtol=2e-2, atol=5e-2)
+
+
 def test_backward_twice_with_retained_graph_doubles_the_gradients():
     torch.manual_seed(15)
     layer = MoE(8, _mlp(8, 64), num_experts=2, k=2, min_capacity=0, top2_2nd_expert_sampling=False)

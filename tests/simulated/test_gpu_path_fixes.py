@@ -163,6 +163,15 @@ def test_auto_layout_on_a_gpu_is_grouped_where_torch_grouped_gemm_runs_in_bf16(m
     assert layer()._layout(cuda, torch.float16) == "padded"
     assert layer()._layout(cpu, torch.bfloat16) == "packed"
     assert layer(hidden=12)._layout(cuda, torch.bfloat16) == "padded"  # 24-byte rows: torch's GEMM refuses them
+    odd_ffn = nn.Sequential(nn.Linear(16, 36), nn.GELU(), nn.Linear(36, 16))
+    assert layer(expert=odd_ffn)._layout(cuda, torch.bfloat16) == "padded"  # 72-byte hidden rows
+    wider_out = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 12))
+    assert layer(expert=wider_out)._layout(cuda, torch.bfloat16) == "padded"  # 24-byte output rows
+    assert layer(routing="expert_choice")._layout(cuda, torch.bfloat16) == "grouped"
+    from moe import layer as layer_module
+    monkeypatch.setattr(layer_module, "autocast_dtype", lambda device: torch.bfloat16)
+    assert layer()._layout(cuda, torch.float32) == "grouped"  # fp32 inputs, bf16 products under autocast
+    monkeypatch.setattr(layer_module, "autocast_dtype", lambda device: None)
     assert layer(expert=_Doubled())._layout(cuda, torch.bfloat16) == "padded"  # experts that are not stacked
     assert layer(expert_layout="padded")._layout(cuda, torch.bfloat16) == "padded"
     assert layer(drop_tokens=False)._layout(cuda, torch.float32) == "grouped"
@@ -170,6 +179,7 @@ def test_auto_layout_on_a_gpu_is_grouped_where_torch_grouped_gemm_runs_in_bf16(m
     assert layer()._layout(cuda, torch.bfloat16) == "padded"
     monkeypatch.setenv("MOE_GROUPED_GEMM", "torch")
     assert layer()._layout(cuda, torch.bfloat16) == "grouped"
+    assert layer(hidden=12)._layout(cuda, torch.bfloat16) == "padded"  # forced, but the rows do not fit
     monkeypatch.delenv("MOE_GROUPED_GEMM")
     with simulated_world(monkeypatch, 2, 0):
         assert layer(ep_size=2)._layout(cuda, torch.bfloat16) == "padded"  # its splits would need a host read
