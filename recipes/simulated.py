@@ -97,7 +97,8 @@ def _fsdp_on_meta(stack: contextlib.ExitStack) -> None:
     def handle(device_type: str = "cuda"):
         return torch.cpu if device_type == "meta" else original(device_type)
 
-    for module in (_fsdp_collectives, _fsdp_init, _fsdp_param_group, _fsdp_state):
+    # device_mesh's own: DTensor's redistribution costs (torch 2.14) ask it for the devices per host
+    for module in (device_mesh, _fsdp_collectives, _fsdp_init, _fsdp_param_group, _fsdp_state):
         if hasattr(module, "_get_device_handle"):
             stack.enter_context(mock.patch.object(module, "_get_device_handle", handle))
     stack.enter_context(mock.patch.object(_fully_shard, "_get_device_from_mesh",
