@@ -12,7 +12,7 @@ Then it times one MoE layer forward+backward with kernels and on the torch path 
 import os
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 from torch import nn
@@ -32,10 +32,11 @@ class KernelBenchConfig:
     hidden: int = 4096
     experts: int = 8
     capacity_factor: float = 1.25
-    dtype: str = "bf16" if accelerator_name() == "cuda" else "fp32"
+    dtype: str = field(default="", metadata={"help": "empty: bf16 on a GPU, fp32 on the CPU"})
     steps: int = 20
     warmup: int = 5
-    device: str = accelerator_name()
+    device: str = field(default="", metadata={
+        "help": "empty: the process's accelerator (DS_ACCELERATOR, else cuda where there is one, else cpu)"})
 
 
 def _time(fn, cfg: KernelBenchConfig, device) -> float:
@@ -75,7 +76,16 @@ def _report(name: str, ms: float, nbytes: int, copy_gbs: float) -> dict:
 
 def main(argv=None) -> dict:
     """Prints the figures; returns them per row name ("copy", "permute (torch)", ...): ms, bytes and GB/s."""
-    cfg = KernelBenchConfig(**vars(flag_parser(KernelBenchConfig, __doc__).parse_args(argv)))
+    parser = flag_parser(KernelBenchConfig, __doc__)
+    cfg = KernelBenchConfig(**vars(parser.parse_args(argv)))
+    if not cfg.device:
+        try:
+            cfg.device = accelerator_name()
+        except ValueError as error:
+            parser.error(str(error))
+    cfg.dtype = cfg.dtype or ("bf16" if torch.device(cfg.device).type == "cuda" else "fp32")
+    if cfg.dtype not in DTYPES:
+        parser.error(f"--dtype must be in {list(DTYPES)}, got {cfg.dtype!r}")
     print("config:", asdict(cfg))
     device, dtype = torch.device(cfg.device), DTYPES[cfg.dtype]
     S, K, M, E = cfg.tokens, cfg.k, cfg.hidden, cfg.experts

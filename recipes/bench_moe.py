@@ -55,7 +55,8 @@ class BenchConfig:
     input_grad: bool = field(default=False, metadata={
         "help": "the input needs a gradient, as for a layer after others in a model (six products per expert "
                 "in the backward, not five)"})
-    device: str = accelerator_name()
+    device: str = field(default="", metadata={
+        "help": "empty: the process's accelerator (DS_ACCELERATOR, else cuda where there is one, else cpu)"})
     expert_layout: str = field(default="auto", metadata={
         "choices": list(EXPERT_LAYOUTS), "help": "our layer's expert layout (auto: packed on the CPU; on a GPU "
                                                  "grouped in bf16 where torch's grouped GEMM runs, else padded "
@@ -249,6 +250,11 @@ def main(argv=None) -> dict:
     cfg = BenchConfig(**vars(parser.parse_args(argv)))
     if cfg.dtype not in DTYPES or cfg.activation not in ACTIVATIONS or cfg.deepspeed not in ("auto", "on", "off"):
         parser.error(f"--dtype must be in {list(DTYPES)}, --activation in {list(ACTIVATIONS)}, --deepspeed auto|on|off")
+    if not cfg.device:
+        try:
+            cfg.device = accelerator_name()
+        except ValueError as error:
+            parser.error(str(error))
     print(cfg, f"threads={torch.get_num_threads()} CPU: {cpu_name()} torch {torch.__version__}")
     device, dtype = torch.device(cfg.device), DTYPES[cfg.dtype]
     torch.manual_seed(cfg.seed)
