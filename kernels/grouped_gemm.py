@@ -157,15 +157,19 @@ def runs_natively(x_NI: torch.Tensor, w_LIO: torch.Tensor) -> bool:
 def torch_backend_runs(device: torch.device, dtype: torch.dtype, widths) -> bool:
     """Whether `grouped_mm` on `device` in `dtype`, on rows of these widths, takes torch's own grouped GEMM."""
     forced = _forced()
-    fits = all(width * dtype.itemsize % 16 == 0 for width in widths)  # as `_torch_fits`
+    fits = _widths_fit(widths, dtype.itemsize)
     if forced != "auto":
         return forced == "torch" and fits
     return fits and _torch_grouped_mm_runs(device, dtype)
 
 
-def _torch_fits(*tensors: torch.Tensor) -> bool:
+def _widths_fit(widths, itemsize: int) -> bool:
     """torch's grouped GEMM needs every row stride to be a multiple of 16 bytes."""
-    return all((t.shape[-1] * t.element_size()) % 16 == 0 for t in tensors)
+    return all(width * itemsize % 16 == 0 for width in widths)
+
+
+def _torch_fits(*tensors: torch.Tensor) -> bool:
+    return all(_widths_fit((t.shape[-1],), t.element_size()) for t in tensors)
 
 
 def _upcast(t: torch.Tensor) -> bool:

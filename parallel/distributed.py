@@ -37,8 +37,9 @@ def init_distributed(backend: str | None = None, timeout_s: float = 600.0) -> tu
     if len(present) != len(TORCHRUN_VARIABLES):
         missing = [name for name in TORCHRUN_VARIABLES if name not in os.environ]
         raise ValueError(f"torchrun environment incomplete: {missing} missing; launch with torchrun")
-    backend = backend or ("nccl" if accelerator_name() == "cuda" else "gloo")
-    if backend == "nccl" and accelerator_name() == "cpu":
+    accelerator = accelerator_name()
+    backend = backend or ("nccl" if accelerator == "cuda" else "gloo")
+    if backend == "nccl" and accelerator == "cpu":
         raise ValueError("backend 'nccl' needs GPUs, but this process runs on the CPU (DS_ACCELERATOR=cpu, or no "
                          "CUDA device); use backend 'gloo'")
     if backend == "nccl":

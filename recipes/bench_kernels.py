@@ -19,8 +19,7 @@ from torch import nn
 
 from kernels import buffer_rows, expert_positions, permute, permute_reference, unpermute_combine, unpermute_combine_reference
 from moe import MoE
-from parallel import accelerator_name
-from recipes.cli import flag_parser
+from recipes.cli import device_or_accelerator, flag_parser
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -78,11 +77,7 @@ def main(argv=None) -> dict:
     """Prints the figures; returns them per row name ("copy", "permute (torch)", ...): ms, bytes and GB/s."""
     parser = flag_parser(KernelBenchConfig, __doc__)
     cfg = KernelBenchConfig(**vars(parser.parse_args(argv)))
-    if not cfg.device:
-        try:
-            cfg.device = accelerator_name()
-        except ValueError as error:
-            parser.error(str(error))
+    cfg.device = device_or_accelerator(parser, cfg.device)
     cfg.dtype = cfg.dtype or ("bf16" if torch.device(cfg.device).type == "cuda" else "fp32")
     if cfg.dtype not in DTYPES:
         parser.error(f"--dtype must be in {list(DTYPES)}, got {cfg.dtype!r}")

@@ -30,8 +30,7 @@ from kernels import gemm, grouped_mm, grouped_mm_t, threads
 from moe import MoE
 from moe.layer import EXPERT_LAYOUTS
 from optim.memory import LiveBytes
-from parallel import accelerator_name
-from recipes.cli import flag_parser
+from recipes.cli import device_or_accelerator, flag_parser
 from recipes.training import cpu_name
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -250,11 +249,7 @@ def main(argv=None) -> dict:
     cfg = BenchConfig(**vars(parser.parse_args(argv)))
     if cfg.dtype not in DTYPES or cfg.activation not in ACTIVATIONS or cfg.deepspeed not in ("auto", "on", "off"):
         parser.error(f"--dtype must be in {list(DTYPES)}, --activation in {list(ACTIVATIONS)}, --deepspeed auto|on|off")
-    if not cfg.device:
-        try:
-            cfg.device = accelerator_name()
-        except ValueError as error:
-            parser.error(str(error))
+    cfg.device = device_or_accelerator(parser, cfg.device)
     print(cfg, f"threads={torch.get_num_threads()} CPU: {cpu_name()} torch {torch.__version__}")
     device, dtype = torch.device(cfg.device), DTYPES[cfg.dtype]
     torch.manual_seed(cfg.seed)

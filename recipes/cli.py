@@ -15,6 +15,7 @@ import sys
 import torch.distributed as dist
 
 from optim import read_client_state
+from parallel import accelerator_name
 
 
 # The flags both recipes share (dataclass fields): the checkpoint folder's, the gate noise.
@@ -175,3 +176,13 @@ def engine_config(fragments: dict[str, dict], given: set[str], json_path: str) -
         for name in given & fragments.keys():
             config = merge(config, fragments[name])
     return config
+
+
+def device_or_accelerator(parser: argparse.ArgumentParser, device: str) -> str:
+    """`device`, or where it is empty the process's accelerator; a bad DS_ACCELERATOR stops with one line."""
+    if device:
+        return device
+    try:
+        return accelerator_name()
+    except ValueError as error:
+        fail(parser, str(error))
