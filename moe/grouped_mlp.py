@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import gemm, threads, workspace
-from kernels import grouped_mm, grouped_mm_t
+from kernels import grouped_mm, grouped_mm_t, grouped_sum
 from kernels.grouped_gemm import runs_natively
 
 __all__ = ["ACTIVATIONS", "grouped_mlp"]
@@ -314,15 +314,9 @@ class _GroupedGemmMLP(torch.autograd.Function):
             grad_w2 = grouped_mm_t(grad_y_NM, a_NH, counts_L)
         if needs_w1:
             grad_w1 = grouped_mm_t(grad_h_NH, x_NM, counts_L)
-        if needs_b1 or needs_b2:  # per-expert sums without atomics; one more segment holds the padding rows
-            padding = (x_NM.shape[0] - counts_L.sum()).reshape(1)
-            lengths, L = torch.cat([counts_L, padding]), counts_L.shape[0]
-
-            def expert_sums(grad_NX, dtype):
-                return torch.segment_reduce(grad_NX.float(), "sum", lengths=lengths, unsafe=True).narrow(0, 0, L).to(dtype)
-
-            grad_b2 = expert_sums(grad_y_NM, weight2.dtype) if needs_b2 else None
-            grad_b1 = expert_sums(grad_h_NH, weight1.dtype) if needs_b1 else None
+        # per-expert sums in fp32, without atomics (padding rows left out)
+        grad_b2 = grouped_sum(grad_y_NM, counts_L).to(weight2.dtype) if needs_b2 else None
+        grad_b1 = grouped_sum(grad_h_NH, counts_L).to(weight1.dtype) if needs_b1 else None
         return grad_x_NM, grad_w1, grad_b1, grad_w2, grad_b2, None, None
 
 

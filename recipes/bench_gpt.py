@@ -46,6 +46,8 @@ def _engine(cfg: gpt.TrainConfig):
     """The recipe's model and engine for `cfg`, TensorBoard statistics included (as the recipe writes them)."""
     torch.manual_seed(cfg.seed)
     model = GPT(gpt.model_config(cfg))
+    if cfg.compile:  # as the recipe does: in place, before the engine wraps it
+        model.compile()
     groups = split_params_into_different_moe_groups_for_optimizer({"params": list(model.parameters()), "name": "dense"})
     config = engine_config(gpt.engine_fragments(cfg), set(), cfg.config)
     engine, *_ = initialize(model, model_parameters=groups, config=config)
