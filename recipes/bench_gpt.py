@@ -3,6 +3,7 @@
     python -m recipes.bench_gpt                      # the recipe's defaults: 32 x 128 tokens per step
     python -m recipes.bench_gpt --steps 40 --n-embd 256 --ffn 1024
     python -m recipes.bench_gpt --breakdown          # also where each model's step goes, block by block
+    python -m recipes.bench_gpt --profile            # also torch.profiler over 3 more steps of each model
 
 Both models are built by `recipes.gpt` from the same flags (the dense twin with `--dense`: the same
 active parameters per token) and trained through the same engine with the same batches, writing
@@ -17,6 +18,10 @@ layers dropped over the timed steps, and the ratio step by step (each pair of ad
 median, quartiles, and the median of each half of the run), which shows how far the figure can be
 trusted on a shared machine. With --breakdown, also each model's feed-forward blocks (and the MoE
 layers' gate and experts) forward and backward, and its optimizer step (`recipes.step_breakdown`).
+With --profile, torch.profiler records 3 more steps of each model and the bench prints, per step,
+the host time and `.item()` calls; on a GPU also the host's waits for it (stream synchronizations),
+the kernel launches and the device time; and the ops that took the most device time (host time on a
+CPU). A small model on a GPU is launch-bound when its host time per step exceeds its device time.
 Any other `recipes.gpt` flag passes through to both models.
 """
 
@@ -72,6 +77,46 @@ def _spread(dense: list[float], moe: list[float]) -> str:
             f"first half {statistics.median(pairs[:half]):.3f}, second half {statistics.median(pairs[half:]):.3f}")
 
 
+PROFILED_STEPS = 3
+_LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC")
+
+
+def _profile(engines: dict, runs: dict, tokens: torch.Tensor, first_step: int) -> None:
+    """torch.profiler over PROFILED_STEPS more steps of each model: launches, device and host time,
+    host reads per step, and the ops that took the most time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = any(engine.device.type == "cuda" for engine, _ in engines.values())
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    print(f"profile of {PROFILED_STEPS} more steps of each model (torch.profiler, per step):")
+    tops = {}
+    for name, cfg in runs.items():
+        engine = engines[name][0]
+        with profile(activities=activities) as prof:
+            for step in range(first_step, first_step + PROFILED_STEPS):
+                gpt.train_step(engine, cfg, *gpt.train_batch(tokens, cfg, step, 0, 0))
+            if cuda:
+                torch.cuda.synchronize(engine.device)
+        events = prof.key_averages()
+        per_step = lambda total: total / PROFILED_STEPS  # noqa: E731
+        items = sum(e.count for e in events if e.key == "aten::_local_scalar_dense")
+        host_ms = sum(e.self_cpu_time_total for e in events) / 1e3
+        line = f"  {name:<6} host {per_step(host_ms):8.2f} ms, {per_step(items):5.1f} .item() calls"
+        if cuda:
+            launches = sum(e.count for e in events if e.key in _LAUNCHES)
+            waits = sum(e.count for e in events if e.key == "cudaStreamSynchronize")
+            device_ms = sum(e.self_device_time_total for e in events) / 1e3
+            line += (f", {per_step(waits):5.1f} host waits for the GPU, {per_step(launches):7.1f} kernel launches, "
+                     f"device {per_step(device_ms):8.2f} ms")
+        print(line)
+        key = (lambda e: e.self_device_time_total) if cuda else (lambda e: e.self_cpu_time_total)
+        tops[name] = [(e.key, per_step(e.count), per_step(key(e)) / 1e3)
+                      for e in sorted(events, key=key, reverse=True)[:10] if key(e) > 0]
+    for name, top in tops.items():
+        print(f"{name} model, the ops with the most {'device' if cuda else 'host'} time (calls and ms per step):")
+        print("\n".join(f"  {op[:60]:<60} {calls:7.1f} {ms:8.3f}" for op, calls, ms in top))
+
+
 def main(argv=None) -> dict:
     argv = sys.argv[1:] if argv is None else argv
     parser = flag_parser(gpt.TrainConfig, __doc__)
@@ -80,8 +125,11 @@ def main(argv=None) -> dict:
     parser.add_argument("--breakdown", action="store_true",
                         help="also time each feed-forward block, the MoE layers' gate and experts, and the "
                              "optimizer step (recipes.step_breakdown)")
+    parser.add_argument("--profile", action="store_true",
+                        help=f"also profile {PROFILED_STEPS} more steps of each model (torch.profiler): launches, "
+                             "device and host time, host reads, the costliest ops")
     args = parser.parse_args(argv)
-    warmup, breakdown = args.__dict__.pop("warmup"), args.__dict__.pop("breakdown")
+    warmup, breakdown, profiled = (args.__dict__.pop(flag) for flag in ("warmup", "breakdown", "profile"))
     steps = args.steps if "--steps" in " ".join(argv) else 30
     if steps < 1 or warmup < 0:
         parser.error(f"--steps must be at least 1 and --warmup at least 0, got {steps} and {warmup}")
@@ -132,6 +180,8 @@ def main(argv=None) -> dict:
         print(f"{name} model, parts of the timed steps:")
         print("\n".join("  " + line for line in timer.lines()))
         timer.remove()
+    if profiled:
+        _profile(engines, runs, tokens, warmup + steps)
     for engine, _ in engines.values():
         if engine.monitor is not None:
             engine.monitor.close()

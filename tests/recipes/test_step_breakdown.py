@@ -110,3 +110,21 @@ def test_bench_gpt_prints_the_breakdown_of_both_models(capsys):
     assert "MoE" not in dense_table.split("CPU products")[0], dense_table
     bench_gpt.main(args[:-1])
     assert "parts of the timed steps" not in capsys.readouterr().out
+
+
+def test_bench_gpt_profiles_both_models(capsys):
+    bench_gpt.main(["--steps", "1", "--warmup", "1", "--n-layer", "2", "--n-embd", "32", "--n-head", "2", "--ffn", "64",
+                    "--seq-len", "16", "--batch-size", "2", "--num-experts", "4", "--profile"])
+    out = capsys.readouterr().out
+    assert f"profile of {bench_gpt.PROFILED_STEPS} more steps of each model" in out, out
+    lines = {name: (float(ms), float(items)) for name, ms, items in re.findall(
+        r"^  (moe|dense) +host +([0-9.]+) ms, +([0-9.]+) \.item\(\) calls", out, re.MULTILINE)}
+    assert set(lines) == {"moe", "dense"} and all(ms > 0 and items >= 0 for ms, items in lines.values()), out
+    for name in ("moe", "dense"):
+        block = out.split(f"{name} model, the ops with the most host time (calls and ms per step):\n")[1]
+        rows = re.findall(r"^  (\S.*?) +([0-9.]+) +([0-9.]+)$", block.split("model, the ops")[0].split("CPU products")[0],
+                          re.MULTILINE)
+        assert 1 <= len(rows) <= 10 and all(float(calls) > 0 for _, calls, _ in rows), out
+        assert [float(ms) for *_, ms in rows] == sorted((float(ms) for *_, ms in rows), reverse=True), out
+    moe_ops = out.split("moe model, the ops")[1].split("dense model, the ops")[0]
+    assert "_PerExpertMLP" in moe_ops or "_GroupedGemmMLP" in moe_ops or "_ConcurrentMLP" in moe_ops, out
