@@ -19,7 +19,7 @@ import os
 
 import torch
 
-from kernels.backend import use_triton
+from kernels.backend import launcher, use_triton
 
 __all__ = ["grouped_mm", "grouped_mm_reference", "grouped_mm_t", "grouped_mm_t_reference", "grouped_sum",
            "grouped_sum_reference", "torch_backend_runs"]
@@ -249,8 +249,7 @@ def grouped_mm(x_NI: torch.Tensor, w_LIO: torch.Tensor, counts) -> torch.Tensor:
     return _grouped_mm_triton(x_NI.contiguous(), w_LIO, _device_counts(counts, x_NI.device))
 
 
-@torch.library.custom_op("exactmoe::grouped_mm", mutates_args=())
-def _grouped_mm_triton(x_NI: torch.Tensor, w_LIO: torch.Tensor, counts_L: torch.Tensor) -> torch.Tensor:
+def _grouped_mm_launch(x_NI: torch.Tensor, w_LIO: torch.Tensor, counts_L: torch.Tensor) -> torch.Tensor:
     """Launch: the tile schedule on the device and a grid of fixed size (row tiles x column tiles)."""
     N, I = x_NI.shape
     L, O = w_LIO.shape[0], w_LIO.shape[2]
@@ -265,9 +264,8 @@ def _grouped_mm_triton(x_NI: torch.Tensor, w_LIO: torch.Tensor, counts_L: torch.
     return y_NO
 
 
-@_grouped_mm_triton.register_fake
-def _(x_NI, w_LIO, counts_L):
-    return x_NI.new_empty(x_NI.shape[0], w_LIO.shape[2])
+_grouped_mm_triton = launcher("exactmoe::grouped_mm", _grouped_mm_launch,
+                              lambda x_NI, w_LIO, counts_L: x_NI.new_empty(x_NI.shape[0], w_LIO.shape[2]))
 
 
 def grouped_mm_t(a_NP: torch.Tensor, b_NQ: torch.Tensor, counts) -> torch.Tensor:
@@ -313,8 +311,7 @@ def _(a_NP, b_NQ, offsets_L):
     return a_NP.new_empty(offsets_L.shape[0], a_NP.shape[1], b_NQ.shape[1])
 
 
-@torch.library.custom_op("exactmoe::grouped_mm_t", mutates_args=())
-def _grouped_mm_t_triton(a_NP: torch.Tensor, b_NQ: torch.Tensor, counts_L: torch.Tensor) -> torch.Tensor:
+def _grouped_mm_t_launch(a_NP: torch.Tensor, b_NQ: torch.Tensor, counts_L: torch.Tensor) -> torch.Tensor:
     """Launch: one program per (expert, P tile, Q tile), row bounds read on the device."""
     P, Q, L = a_NP.shape[1], b_NQ.shape[1], counts_L.shape[0]
     out = torch.zeros(L, P, Q, dtype=a_NP.dtype, device=a_NP.device)
@@ -329,9 +326,9 @@ def _grouped_mm_t_triton(a_NP: torch.Tensor, b_NQ: torch.Tensor, counts_L: torch
     return out
 
 
-@_grouped_mm_t_triton.register_fake
-def _(a_NP, b_NQ, counts_L):
-    return a_NP.new_empty(counts_L.shape[0], a_NP.shape[1], b_NQ.shape[1])
+_grouped_mm_t_triton = launcher(
+    "exactmoe::grouped_mm_t", _grouped_mm_t_launch,
+    lambda a_NP, b_NQ, counts_L: a_NP.new_empty(counts_L.shape[0], a_NP.shape[1], b_NQ.shape[1]))
 
 
 def grouped_sum_reference(x_NM: torch.Tensor, counts) -> torch.Tensor:
@@ -371,8 +368,7 @@ _SUM_BLOCK_R, _SUM_BLOCK_M = 32, 128  # rows and columns of one tile of the grou
 _SUM_PROGRAMS = 1024  # programs the grouped sum's grid aims for: experts x column blocks x chunks
 
 
-@torch.library.custom_op("exactmoe::grouped_sum", mutates_args=())
-def _grouped_sum_triton(x_NM: torch.Tensor, counts_L: torch.Tensor) -> torch.Tensor:
+def _grouped_sum_launch(x_NM: torch.Tensor, counts_L: torch.Tensor) -> torch.Tensor:
     """Launch: each expert's rows cut into chunks (as many as fill the grid, from the shape alone), each
     chunk summed by one program per column block, then the chunks' partial sums added by torch."""
     M, L = x_NM.shape[1], counts_L.shape[0]
@@ -389,6 +385,6 @@ def _grouped_sum_triton(x_NM: torch.Tensor, counts_L: torch.Tensor) -> torch.Ten
     return partial.sum(1)
 
 
-@_grouped_sum_triton.register_fake
-def _(x_NM, counts_L):
-    return x_NM.new_empty(counts_L.shape[0], x_NM.shape[1], dtype=torch.float32)
+_grouped_sum_triton = launcher(
+    "exactmoe::grouped_sum", _grouped_sum_launch,
+    lambda x_NM, counts_L: x_NM.new_empty(counts_L.shape[0], x_NM.shape[1], dtype=torch.float32))

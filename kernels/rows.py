@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import workspace
-from kernels.backend import block_size, use_triton
+from kernels.backend import block_size, launcher, use_triton
 
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -102,8 +102,7 @@ def _kernels():
     return gather_rows_kernel, combine_rows_kernel, row_dots_kernel
 
 
-@torch.library.custom_op("exactmoe::gather_rows", mutates_args=())
-def gather_rows_triton(x_SM: torch.Tensor, token_N: torch.Tensor, scale_N: torch.Tensor | None) -> torch.Tensor:
+def _gather_rows_launch(x_SM: torch.Tensor, token_N: torch.Tensor, scale_N: torch.Tensor | None) -> torch.Tensor:
     """Launch: checks, output allocation and the grid (rows x column blocks)."""
     assert x_SM.stride(1) == 1 and token_N.is_contiguous()
     num_rows, n_cols = token_N.shape[0], x_SM.shape[1]
@@ -120,13 +119,11 @@ def gather_rows_triton(x_SM: torch.Tensor, token_N: torch.Tensor, scale_N: torch
     return out_NM
 
 
-@gather_rows_triton.register_fake
-def _(x_SM, token_N, scale_N):
-    return x_SM.new_empty(token_N.shape[0], x_SM.shape[1])
+gather_rows_triton = launcher("exactmoe::gather_rows", _gather_rows_launch,
+                              lambda x_SM, token_N, scale_N: x_SM.new_empty(token_N.shape[0], x_SM.shape[1]))
 
 
-@torch.library.custom_op("exactmoe::combine_rows", mutates_args=())
-def combine_rows_triton(buffer_NM: torch.Tensor, row_SK: torch.Tensor, weight_SK: torch.Tensor) -> torch.Tensor:
+def _combine_rows_launch(buffer_NM: torch.Tensor, row_SK: torch.Tensor, weight_SK: torch.Tensor) -> torch.Tensor:
     """Launch: output allocation and the grid (tokens x column blocks)."""
     S, K = row_SK.shape
     n_cols = buffer_NM.shape[1]
@@ -143,13 +140,12 @@ def combine_rows_triton(buffer_NM: torch.Tensor, row_SK: torch.Tensor, weight_SK
     return out_SM
 
 
-@combine_rows_triton.register_fake
-def _(buffer_NM, row_SK, weight_SK):
-    return buffer_NM.new_empty(row_SK.shape[0], buffer_NM.shape[1])
+combine_rows_triton = launcher(
+    "exactmoe::combine_rows", _combine_rows_launch,
+    lambda buffer_NM, row_SK, weight_SK: buffer_NM.new_empty(row_SK.shape[0], buffer_NM.shape[1]))
 
 
-@torch.library.custom_op("exactmoe::row_dots", mutates_args=())
-def row_dots_triton(grad_SM: torch.Tensor, buffer_NM: torch.Tensor, row_SK: torch.Tensor) -> torch.Tensor:
+def _row_dots_launch(grad_SM: torch.Tensor, buffer_NM: torch.Tensor, row_SK: torch.Tensor) -> torch.Tensor:
     """Launch: one program per (token, choice)."""
     S, K = row_SK.shape
     dots_SK = torch.zeros(S, K, dtype=torch.float32, device=buffer_NM.device)
@@ -163,9 +159,8 @@ def row_dots_triton(grad_SM: torch.Tensor, buffer_NM: torch.Tensor, row_SK: torc
     return dots_SK
 
 
-@row_dots_triton.register_fake
-def _(grad_SM, buffer_NM, row_SK):
-    return grad_SM.new_empty(row_SK.shape, dtype=torch.float32)
+row_dots_triton = launcher("exactmoe::row_dots", _row_dots_launch,
+                           lambda grad_SM, buffer_NM, row_SK: grad_SM.new_empty(row_SK.shape, dtype=torch.float32))
 
 
 def gather_rows(x_SM: torch.Tensor, token_N: torch.Tensor, scale_N: torch.Tensor | None) -> torch.Tensor:

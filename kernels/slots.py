@@ -18,7 +18,7 @@ import functools
 
 import torch
 
-from kernels.backend import sync_checks, use_triton
+from kernels.backend import launcher, sync_checks, use_triton
 
 __all__ = ["buffer_rows", "expert_positions", "expert_positions_reference"]
 
@@ -117,9 +117,9 @@ def _expert_positions_by_cumsum(expert_P: torch.Tensor, num_experts: int) -> tup
     return counts_E, torch.where(routed, position_P, -1)
 
 
-@torch.library.custom_op("exactmoe::expert_positions", mutates_args=())
-def _expert_positions_triton(expert_P: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Launch: one program per expert (a torch custom op, so fake and meta tensors get shapes only)."""
+def _expert_positions_launch(expert_P: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch: one program per expert (a torch custom op where traced, so fake and meta tensors get
+    shapes only; see kernels.backend.launcher)."""
     position_P = torch.full_like(expert_P, -1)
     counts_E = torch.zeros(num_experts, dtype=torch.int64, device=expert_P.device)
     if num_experts:
@@ -127,9 +127,9 @@ def _expert_positions_triton(expert_P: torch.Tensor, num_experts: int) -> tuple[
     return counts_E, position_P
 
 
-@_expert_positions_triton.register_fake
-def _(expert_P, num_experts):
-    return expert_P.new_empty(num_experts), torch.empty_like(expert_P)
+_expert_positions_triton = launcher(
+    "exactmoe::expert_positions", _expert_positions_launch,
+    lambda expert_P, num_experts: (expert_P.new_empty(num_experts), torch.empty_like(expert_P)))
 
 
 def buffer_rows(expert_P: torch.Tensor, slot_P: torch.Tensor, capacity: int | None = None,
