@@ -21,8 +21,8 @@ import torch
 
 from kernels.backend import launcher, use_triton
 
-__all__ = ["grouped_mm", "grouped_mm_reference", "grouped_mm_t", "grouped_mm_t_reference", "grouped_sum",
-           "grouped_sum_reference", "torch_backend_runs"]
+__all__ = ["group_offsets", "grouped_mm", "grouped_mm_reference", "grouped_mm_t", "grouped_mm_t_reference",
+           "grouped_sum", "grouped_sum_reference", "torch_backend_runs"]
 
 BLOCK = 32  # tile edge of the Triton kernels (rows, columns and reduction)
 
@@ -121,8 +121,8 @@ def _kernels():
         expert = tl.program_id(0).to(tl.int64)
         chunk = tl.program_id(2)
         cols = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-        row_start = tl.load(row_start_ptr + expert)
-        row_end = tl.load(row_end_ptr + expert)
+        row_start = tl.load(row_start_ptr + expert).to(tl.int64)
+        row_end = tl.load(row_end_ptr + expert).to(tl.int64)
         per_chunk = tl.cdiv(row_end - row_start, chunks)
         first = row_start + chunk * per_chunk
         last = tl.minimum(first + per_chunk, row_end)
@@ -207,8 +207,16 @@ def _device_counts(counts, device) -> torch.Tensor:
     return torch.tensor(list(counts), dtype=torch.int64, device=device)
 
 
-def _offsets(counts_L: torch.Tensor) -> torch.Tensor:
-    return torch.cumsum(counts_L, 0).to(torch.int32)
+def group_offsets(counts, device: torch.device | None = None) -> torch.Tensor:
+    """The int32 running ends of the groups' rows (torch's grouped GEMM's `offs`), on the counts'
+    device or `device` (counts given as a list), for the `offsets` of grouped_mm, grouped_mm_t and
+    grouped_sum."""
+    counts_L = counts if isinstance(counts, torch.Tensor) else _device_counts(counts, device)
+    return torch.cumsum(counts_L, 0, dtype=torch.int32)
+
+
+def _given_or_made(offsets: torch.Tensor | None, counts, device: torch.device) -> torch.Tensor:
+    return offsets if offsets is not None else group_offsets(_device_counts(counts, device))
 
 
 def _tile_schedule(counts_L: torch.Tensor, num_rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -230,20 +238,22 @@ def _tile_schedule(counts_L: torch.Tensor, num_rows: int) -> tuple[torch.Tensor,
     return expert_T, row_T, torch.where(used_T, row_end_L[expert_T], 0)
 
 
-def grouped_mm(x_NI: torch.Tensor, w_LIO: torch.Tensor, counts) -> torch.Tensor:
+def grouped_mm(x_NI: torch.Tensor, w_LIO: torch.Tensor, counts, offsets: torch.Tensor | None = None) -> torch.Tensor:
     """y[rows_e] = x[rows_e] @ w[e] for every expert e; not differentiable (used inside autograd functions).
 
     Args:
         x_NI: packed rows, shape [N, I]. w_LIO: shape [L, I, O] (any strides).
         counts: rows per expert, L ints summing to N, or an int tensor [L] on x's device summing to at
             most N (rows after them are padding).
+        offsets: `group_offsets(counts)` when the caller has them (a layer's products share one set:
+            two kernel launches fewer per product on a GPU); else computed here.
 
     Returns:
         y_NO: shape [N, O], dtype of x_NI.
     """
     backend = _backend(x_NI)
     if backend == "torch" and _torch_fits(x_NI, w_LIO):
-        return torch._grouped_mm(x_NI, w_LIO, offs=_offsets(_device_counts(counts, x_NI.device)))
+        return torch._grouped_mm(x_NI, w_LIO, offs=_given_or_made(offsets, counts, x_NI.device))
     if backend != "triton":
         return grouped_mm_reference(x_NI, w_LIO, counts)
     return _grouped_mm_triton(x_NI.contiguous(), w_LIO, _device_counts(counts, x_NI.device))
@@ -268,13 +278,14 @@ _grouped_mm_triton = launcher("exactmoe::grouped_mm", _grouped_mm_launch,
                               lambda x_NI, w_LIO, counts_L: x_NI.new_empty(x_NI.shape[0], w_LIO.shape[2]))
 
 
-def grouped_mm_t(a_NP: torch.Tensor, b_NQ: torch.Tensor, counts) -> torch.Tensor:
+def grouped_mm_t(a_NP: torch.Tensor, b_NQ: torch.Tensor, counts, offsets: torch.Tensor | None = None) -> torch.Tensor:
     """out[e] = a[rows_e]^T @ b[rows_e] for every expert e (zero for experts without rows).
 
     Args:
         a_NP: shape [N, P]. b_NQ: shape [N, Q].
         counts: rows per expert, L ints summing to N, or an int tensor [L] on a's device summing to at
             most N (padding rows after them are left out).
+        offsets: `group_offsets(counts)`, or None (see grouped_mm).
 
     Returns:
         out_LPQ: shape [L, P, Q], dtype of a_NP.
@@ -284,7 +295,7 @@ def grouped_mm_t(a_NP: torch.Tensor, b_NQ: torch.Tensor, counts) -> torch.Tensor
         padding = -a_NP.shape[0] % 8  # the transposed operand's row stride must be a multiple of 8 rows
         if padding:  # zero rows after the counted ones, which the offsets leave out
             a_NP, b_NQ = (torch.cat([t, t.new_zeros(padding, t.shape[1])]) for t in (a_NP, b_NQ))
-        offsets = _offsets(_device_counts(counts, a_NP.device))
+        offsets = _given_or_made(offsets, counts, a_NP.device)
         if torch.compiler.is_compiling():
             return _grouped_mm_t_torch(a_NP.contiguous(), b_NQ.contiguous(), offsets)
         return torch._grouped_mm(a_NP.t(), b_NQ, offs=offsets)
@@ -338,7 +349,7 @@ def grouped_sum_reference(x_NM: torch.Tensor, counts) -> torch.Tensor:
     return torch.stack(pieces) if pieces else x_NM.new_zeros(0, x_NM.shape[1], dtype=acc_dtype)
 
 
-def grouped_sum(x_NM: torch.Tensor, counts) -> torch.Tensor:
+def grouped_sum(x_NM: torch.Tensor, counts, offsets: torch.Tensor | None = None) -> torch.Tensor:
     """out[e] = the sum of expert e's rows, accumulated in fp32 (float64 for float64); zero for experts
     without rows. Deterministic: a fixed summation order, no atomics.
 
@@ -351,13 +362,14 @@ def grouped_sum(x_NM: torch.Tensor, counts) -> torch.Tensor:
         x_NM: packed rows, shape [N, M].
         counts: rows per expert, L ints summing to N, or an int tensor [L] on x's device summing to at
             most N (padding rows after them are left out).
+        offsets: `group_offsets(counts)`, or None (see grouped_mm).
 
     Returns:
         out_LM: shape [L, M], fp32 (float64 for float64 rows).
     """
     counts_L = _device_counts(counts, x_NM.device)
     if use_triton(x_NM):
-        return _grouped_sum_triton(x_NM.contiguous(), counts_L)
+        return _grouped_sum_triton(x_NM.contiguous(), counts_L, _given_or_made(offsets, counts_L, x_NM.device))
     acc_dtype = torch.promote_types(x_NM.dtype, torch.float32)
     L = counts_L.shape[0]
     lengths = torch.cat([counts_L, (x_NM.shape[0] - counts_L.sum()).reshape(1)])
@@ -368,7 +380,7 @@ _SUM_BLOCK_R, _SUM_BLOCK_M = 32, 128  # rows and columns of one tile of the grou
 _SUM_PROGRAMS = 1024  # programs the grouped sum's grid aims for: experts x column blocks x chunks
 
 
-def _grouped_sum_launch(x_NM: torch.Tensor, counts_L: torch.Tensor) -> torch.Tensor:
+def _grouped_sum_launch(x_NM: torch.Tensor, counts_L: torch.Tensor, offsets_L: torch.Tensor) -> torch.Tensor:
     """Launch: each expert's rows cut into chunks (as many as fill the grid, from the shape alone), each
     chunk summed by one program per column block, then the chunks' partial sums added by torch."""
     M, L = x_NM.shape[1], counts_L.shape[0]
@@ -377,14 +389,12 @@ def _grouped_sum_launch(x_NM: torch.Tensor, counts_L: torch.Tensor) -> torch.Ten
     column_blocks = -(-M // _SUM_BLOCK_M)
     chunks = max(1, min(64, _SUM_PROGRAMS // (L * column_blocks)))
     partial = torch.empty(L, chunks, M, dtype=torch.float32, device=x_NM.device)
-    row_end = torch.cumsum(counts_L, 0)
-    row_start = row_end - counts_L
     _kernels()[2][(L, column_blocks, chunks)](
-        x_NM, row_start, row_end, partial, M, x_NM.stride(0), chunks, BLOCK_R=_SUM_BLOCK_R, BLOCK_M=_SUM_BLOCK_M,
+        x_NM, offsets_L - counts_L, offsets_L, partial, M, x_NM.stride(0), chunks, BLOCK_R=_SUM_BLOCK_R, BLOCK_M=_SUM_BLOCK_M,
     )
     return partial.sum(1)
 
 
 _grouped_sum_triton = launcher(
     "exactmoe::grouped_sum", _grouped_sum_launch,
-    lambda x_NM, counts_L: x_NM.new_empty(counts_L.shape[0], x_NM.shape[1], dtype=torch.float32))
+    lambda x_NM, counts_L, offsets_L: x_NM.new_empty(counts_L.shape[0], x_NM.shape[1], dtype=torch.float32))

@@ -51,23 +51,26 @@ def _check(x_SM: torch.Tensor, row_SK: torch.Tensor, num_rows: int) -> None:
 
 class _Permute(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_SM, row_SK, num_rows):
+    def forward(ctx, x_SM, row_SK, num_rows, token_N):
         ctx.save_for_backward(row_SK)
-        return gather_rows(x_SM, source_tokens(row_SK, num_rows), None)
+        return gather_rows(x_SM, source_tokens(row_SK, num_rows) if token_N is None else token_N, None)
 
     @staticmethod
     def backward(ctx, grad_NM):
         (row_SK,) = ctx.saved_tensors
-        return combine_rows(grad_NM, row_SK, None), None, None
+        return combine_rows(grad_NM, row_SK, None), None, None, None
 
 
-def permute(x_SM: torch.Tensor, row_SK: torch.Tensor, num_rows: int) -> torch.Tensor:
+def permute(x_SM: torch.Tensor, row_SK: torch.Tensor, num_rows: int, token_N: torch.Tensor | None = None
+            ) -> torch.Tensor:
     """Scatter tokens into the dispatch buffer by index; differentiable with respect to x_SM.
 
     Args:
         x_SM: tokens, shape [S, M], any float dtype.
         row_SK: int64 buffer row per (token, choice), shape [S, K], -1 where dropped; kept rows distinct.
         num_rows: N, the number of rows of the buffer.
+        token_N: `kernels.rows.source_tokens(row_SK, num_rows)` when the caller has it (a layer makes it
+            once for this and for unpermute_combine's backward); else made here.
 
     Returns:
         buffer_NM: shape [N, M], dtype of x_SM; rows no choice points at are zero.
@@ -77,4 +80,6 @@ def permute(x_SM: torch.Tensor, row_SK: torch.Tensor, num_rows: int) -> torch.Te
         TypeError: if row_SK is not int64.
     """
     _check(x_SM, row_SK, num_rows)
-    return _Permute.apply(x_SM, row_SK, num_rows)
+    if token_N is not None and token_N.shape != (num_rows,):
+        raise ValueError(f"token_N must have shape [{num_rows}], got {list(token_N.shape)}")
+    return _Permute.apply(x_SM, row_SK, num_rows, token_N)

@@ -50,18 +50,18 @@ def _check_combine(buffer_NM, row_SK, weight_SK) -> None:
 
 class _UnpermuteCombine(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, buffer_NM, row_SK, weight_SK):
-        ctx.save_for_backward(buffer_NM, row_SK, weight_SK)
+    def forward(ctx, buffer_NM, row_SK, weight_SK, token_N):
+        ctx.save_for_backward(buffer_NM, row_SK, weight_SK, token_N)
         return combine_rows(buffer_NM, row_SK, weight_SK)
 
     @staticmethod
     def backward(ctx, grad_SM):
         # 1. the buffer gradient: grad_buffer[n] = weight(n) * grad_out[token(n)], a scaled gather
         # 2. the weight gradient: <grad_out[s], buffer[row(s, j)]> in fp32, 0 for dropped choices
-        buffer_NM, row_SK, weight_SK = ctx.saved_tensors
+        buffer_NM, row_SK, weight_SK, token_N = ctx.saved_tensors
         grad_SM = grad_SM.to(buffer_NM.dtype).contiguous()
         num_rows = buffer_NM.shape[0]
-        token_N = source_tokens(row_SK, num_rows)
+        token_N = source_tokens(row_SK, num_rows) if token_N is None else token_N
         scale_N = scatter_kept(row_SK, weight_SK.reshape(-1).to(accumulation_dtype(buffer_NM.dtype)), num_rows, 0.0)
         if use_triton(buffer_NM):
             grad_buffer = gather_rows(grad_SM, token_N, scale_N) if ctx.needs_input_grad[0] else None
@@ -70,16 +70,19 @@ class _UnpermuteCombine(torch.autograd.Function):
             g_NM = gather_rows(grad_SM, token_N, None)  # grad_out in buffer order: the dots' rows, then scaled in place
             dots_SK = row_dots(grad_SM, buffer_NM, row_SK, g_NM) if ctx.needs_input_grad[2] else None
             grad_buffer = g_NM.mul_(scale_N.to(g_NM.dtype).unsqueeze(1)) if ctx.needs_input_grad[0] else None
-        return grad_buffer, None, None if dots_SK is None else dots_SK.to(weight_SK.dtype)
+        return grad_buffer, None, None if dots_SK is None else dots_SK.to(weight_SK.dtype), None
 
 
-def unpermute_combine(buffer_NM: torch.Tensor, row_SK: torch.Tensor, weight_SK: torch.Tensor) -> torch.Tensor:
+def unpermute_combine(buffer_NM: torch.Tensor, row_SK: torch.Tensor, weight_SK: torch.Tensor,
+                      token_N: torch.Tensor | None = None) -> torch.Tensor:
     """Weighted gather-sum of expert outputs back to tokens; differentiable in buffer and weights.
 
     Args:
         buffer_NM: expert outputs, shape [N, M], any float dtype.
         row_SK: int64 buffer row per (token, choice), shape [S, K], -1 where dropped.
         weight_SK: combine weight per (token, choice), shape [S, K] (fp32 from the gate).
+        token_N: `kernels.rows.source_tokens(row_SK, N)` when the caller has it (the permute's); else
+            the backward makes it.
 
     Returns:
         out_SM: shape [S, M], dtype of buffer_NM, accumulated in fp32; dropped choices add nothing.
@@ -88,4 +91,6 @@ def unpermute_combine(buffer_NM: torch.Tensor, row_SK: torch.Tensor, weight_SK: 
         ValueError: if the shapes do not match.
     """
     _check_combine(buffer_NM, row_SK, weight_SK)
-    return _UnpermuteCombine.apply(buffer_NM, row_SK, weight_SK)
+    if token_N is not None and token_N.shape != buffer_NM.shape[:1]:
+        raise ValueError(f"token_N must have shape [{buffer_NM.shape[0]}], got {list(token_N.shape)}")
+    return _UnpermuteCombine.apply(buffer_NM, row_SK, weight_SK, token_N)

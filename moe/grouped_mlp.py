@@ -37,7 +37,7 @@ import torch.nn.functional as F
 
 from kernels import gemm, threads, workspace
 from kernels import grouped_mm, grouped_mm_t, grouped_sum
-from kernels.grouped_gemm import runs_natively
+from kernels.grouped_gemm import group_offsets, runs_natively
 
 __all__ = ["ACTIVATIONS", "grouped_mlp"]
 
@@ -282,41 +282,42 @@ class _GroupedGemmMLP(torch.autograd.Function):
         # nothing here reads the counts on the host
         name, approximate = activation
         counts_L = counts if isinstance(counts, torch.Tensor) else torch.tensor(counts, device=x_NM.device)
+        offsets_L = group_offsets(counts_L)  # made once for the layer's products and bias sums
         # the expert of every row, padding rows counted with the last expert (their values are never read)
-        row_N = torch.arange(x_NM.shape[0], device=x_NM.device)
-        expert_N = torch.searchsorted(torch.cumsum(counts_L, 0), row_N, right=True).clamp(max=weight1.shape[0] - 1)
-        h_NH = grouped_mm(x_NM, weight1.transpose(1, 2), counts_L)
+        row_N = torch.arange(x_NM.shape[0], device=x_NM.device, dtype=torch.int32)
+        expert_N = torch.searchsorted(offsets_L, row_N, right=True).clamp(max=weight1.shape[0] - 1)
+        h_NH = grouped_mm(x_NM, weight1.transpose(1, 2), counts_L, offsets_L)
         if bias1 is not None:
             h_NH += bias1.index_select(0, expert_N)
         a_NH = torch.empty_like(h_NH)
         _activate(name, approximate, h_NH, a_NH)
-        y_NM = grouped_mm(a_NH, weight2.transpose(1, 2), counts_L)
+        y_NM = grouped_mm(a_NH, weight2.transpose(1, 2), counts_L, offsets_L)
         if bias2 is not None:
             y_NM += bias2.index_select(0, expert_N)
         ctx.activation = activation
-        ctx.save_for_backward(x_NM, weight1, weight2, h_NH, a_NH, counts_L)
+        ctx.save_for_backward(x_NM, weight1, weight2, h_NH, a_NH, counts_L, offsets_L)
         return y_NM
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_y_NM):
-        x_NM, weight1, weight2, h_NH, a_NH, counts_L = ctx.saved_tensors
+        x_NM, weight1, weight2, h_NH, a_NH, counts_L, offsets_L = ctx.saved_tensors
         name, approximate = ctx.activation
         needs_x, needs_w1, needs_b1, needs_w2, needs_b2 = ctx.needs_input_grad[:5]
         grad_y_NM = grad_y_NM.contiguous()
         grad_x_NM = grad_w1 = grad_b1 = grad_w2 = grad_b2 = grad_h_NH = None
         if needs_x or needs_w1 or needs_b1:
-            grad_h_NH = grouped_mm(grad_y_NM, weight2, counts_L)
+            grad_h_NH = grouped_mm(grad_y_NM, weight2, counts_L, offsets_L)
             _activation_backward(name, approximate, grad_h_NH, h_NH, a_NH, grad_h_NH)
         if needs_x:
-            grad_x_NM = grouped_mm(grad_h_NH, weight1, counts_L)
+            grad_x_NM = grouped_mm(grad_h_NH, weight1, counts_L, offsets_L)
         if needs_w2:
-            grad_w2 = grouped_mm_t(grad_y_NM, a_NH, counts_L)
+            grad_w2 = grouped_mm_t(grad_y_NM, a_NH, counts_L, offsets_L)
         if needs_w1:
-            grad_w1 = grouped_mm_t(grad_h_NH, x_NM, counts_L)
+            grad_w1 = grouped_mm_t(grad_h_NH, x_NM, counts_L, offsets_L)
         # per-expert sums in fp32, without atomics (padding rows left out)
-        grad_b2 = grouped_sum(grad_y_NM, counts_L).to(weight2.dtype) if needs_b2 else None
-        grad_b1 = grouped_sum(grad_h_NH, counts_L).to(weight1.dtype) if needs_b1 else None
+        grad_b2 = grouped_sum(grad_y_NM, counts_L, offsets_L).to(weight2.dtype) if needs_b2 else None
+        grad_b1 = grouped_sum(grad_h_NH, counts_L, offsets_L).to(weight1.dtype) if needs_b1 else None
         return grad_x_NM, grad_w1, grad_b1, grad_w2, grad_b2, None, None
 
 
