@@ -73,9 +73,11 @@ _TRACING_MODES = (torch._C._TorchDispatchModeKey.FAKE, torch._C._TorchDispatchMo
 
 
 def _traced(t: torch.Tensor) -> bool:
-    """Whether a call on `t` is being traced rather than run: torch.compile, fake, meta or wrapped
-    tensors (a subclass such as FakeTensor), or a fake, proxy or functional dispatch mode."""
-    return (torch.compiler.is_compiling() or type(t) is not torch.Tensor or t.device.type == "meta"
+    """Whether a call on `t` must go through the custom op: torch.compile, torch.jit.trace, fake,
+    meta or wrapped tensors (a subclass such as FakeTensor), a fake, proxy or functional mode, or any
+    Python dispatch mode (FlopCounterMode, a test's op counter, ...), which should see the op."""
+    return (torch.compiler.is_compiling() or torch.jit.is_tracing() or type(t) is not torch.Tensor
+            or t.device.type == "meta" or torch._C._len_torch_dispatch_stack() > 0
             or any(torch._C._get_dispatch_mode(key) is not None for key in _TRACING_MODES))
 
 
@@ -83,10 +85,10 @@ def launcher(name: str, launch, fake):
     """A Triton launch function as the kernels call it: the torch custom op `name` (with its shape-only
     `fake`) where a trace needs an opaque op, else `launch` itself.
 
-    The op is what torch.compile, fake tensors and the meta device see. Eager calls on real tensors
-    skip it: its dispatch costs about 40 us of host time per call (41 us against 6 us for a direct
-    call of the same function, 2-core AMD EPYC), and a small model on a GPU is bound by host time.
-    The first tensor argument decides.
+    The op is what torch.compile, torch.jit.trace, fake tensors, the meta device and dispatch modes
+    see. Other eager calls on real tensors skip it: its dispatch costs about 40 us of host time per
+    call (41 us against 6 us for a direct call of the same function, 2-core AMD EPYC), and a small
+    model on a GPU is bound by host time. The first tensor argument decides.
     """
     op = torch.library.custom_op(name, launch, mutates_args=())
     op.register_fake(fake)

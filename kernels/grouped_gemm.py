@@ -2,16 +2,18 @@
 
     grouped_mm(x_NI, w_LIO, counts)    y[rows_e] = x[rows_e] @ w[e]            -> [N, O]
     grouped_mm_t(a_NP, b_NQ, counts)   out[e]    = a[rows_e]^T @ b[rows_e]     -> [L, P, Q]
-    grouped_sum(x_NM, counts)          out[e]    = sum of x[rows_e]            -> [L, M] (fp32)
+    grouped_sum(x_NM, counts)          out[e]    = sum of x[rows_e]            -> [L, M], fp32
 
 Shape legend: N packed rows (expert 0's first), L experts, I/O/P/Q widths, T row tiles; `counts`
 gives each expert's rows, as a list or as an int tensor on the rows' device. With a tensor, the rows
 may end in padding (sum(counts) <= N): padding rows of the output are left unspecified and take no
 part in `grouped_mm_t`. The first form is a layer's forward and input gradient, the second its
-weight gradient, the third its bias gradient. Backends: torch's own grouped GEMM (`torch._grouped_mm`) where it runs for the
-device and dtype; else a Triton kernel on CUDA (fp32 accumulation, no atomics); else a loop of torch
-products over slices, which is also the reference. The torch and Triton backends take the counts on
-the device and never read them on the host (no sync); the loop needs them on the host.
+weight gradient, the third its bias gradient. Backends of the products: torch's own grouped GEMM
+(`torch._grouped_mm`) where it runs for the device and dtype; else a Triton kernel on CUDA (fp32
+accumulation, no atomics); else a loop of torch products over slices, which is also the reference.
+The torch and Triton backends take the counts on the device and never read them on the host (no
+sync); the loop needs them on the host. The sums take a Triton kernel where `use_triton` says,
+else torch's segment_reduce; neither reads the counts on the host.
 """
 
 import functools
@@ -114,15 +116,16 @@ def _kernels():
                  mask=(p[:, None] < n_p) & (q[None, :] < n_q))
 
     @triton.jit
-    def _grouped_sum_kernel(x_ptr, row_start_ptr, row_end_ptr, partial_ptr, n_cols, stride_xn, chunks,
+    def _grouped_sum_kernel(x_ptr, offsets_ptr, partial_ptr, n_cols, stride_xn, chunks,
                             BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr):
         # program (expert, column block, chunk): the chunk-th of `chunks` equal runs of the expert's rows,
-        # summed in fp32 in a fixed order into its own partial row (no atomics)
+        # summed in fp32 in a fixed order into its own partial row (no atomics); the expert's rows end
+        # at offsets[e] and start where the previous expert's end (0 for the first)
         expert = tl.program_id(0).to(tl.int64)
         chunk = tl.program_id(2)
         cols = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-        row_start = tl.load(row_start_ptr + expert).to(tl.int64)
-        row_end = tl.load(row_end_ptr + expert).to(tl.int64)
+        row_start = tl.load(offsets_ptr + expert - 1, mask=expert > 0, other=0).to(tl.int64)
+        row_end = tl.load(offsets_ptr + expert).to(tl.int64)
         per_chunk = tl.cdiv(row_end - row_start, chunks)
         first = row_start + chunk * per_chunk
         last = tl.minimum(first + per_chunk, row_end)
@@ -246,7 +249,8 @@ def grouped_mm(x_NI: torch.Tensor, w_LIO: torch.Tensor, counts, offsets: torch.T
         counts: rows per expert, L ints summing to N, or an int tensor [L] on x's device summing to at
             most N (rows after them are padding).
         offsets: `group_offsets(counts)` when the caller has them (a layer's products share one set:
-            two kernel launches fewer per product on a GPU); else computed here.
+            two kernel launches fewer per product on a GPU); else computed here. Only torch's grouped
+            GEMM takes them: the Triton kernel and the loop work from the counts.
 
     Returns:
         y_NO: shape [N, O], dtype of x_NI.
@@ -309,8 +313,9 @@ def _grouped_mm_t_torch(a_NP: torch.Tensor, b_NQ: torch.Tensor, offsets_L: torch
     """torch's grouped GEMM of a^T and b, opaque to torch.compile so that a reaches it transposed.
 
     Given `a_NP.t()` in a graph, Inductor may copy the transposed view into a fresh row-major [P, N]
-    buffer; torch's CUDA kernel then requires every expert's row count to be a multiple of 16 bytes
-    and stops with a device-side assert (seen on an H200 compiling the GPT recipe's bf16 MoE model).
+    buffer; torch's CUDA kernel then requires every expert's rows to span a multiple of 16 bytes
+    (row count x element size: 8 rows in bf16) and stops with a device-side assert (seen on an H200
+    compiling the GPT recipe's bf16 MoE model).
     A custom op receives its inputs with the strides they had when traced (row-major [N, P]), so the
     transposed view is made here, as in eager mode, where no such alignment applies.
     """
@@ -353,8 +358,10 @@ def grouped_sum(x_NM: torch.Tensor, counts, offsets: torch.Tensor | None = None)
     """out[e] = the sum of expert e's rows, accumulated in fp32 (float64 for float64); zero for experts
     without rows. Deterministic: a fixed summation order, no atomics.
 
-    The Triton kernel runs on CUDA (counts read on the device); elsewhere torch's segment_reduce, to
-    which padding rows are one more segment that is cut off. On an NVIDIA H200 the segment_reduce of a
+    The Triton kernel runs where `kernels.backend.use_triton` says (CUDA tensors; MOE_KERNELS=triton
+    forces it, on the CPU in the interpreter), reading the offsets on the device; elsewhere torch's
+    segment_reduce, to which padding rows are one more segment that is cut off. (MOE_GROUPED_GEMM
+    chooses the products' backend, not this one.) On an NVIDIA H200 the segment_reduce of a
     GPT's expert bias gradients ([16384, 1024] and [16384, 512] bf16, 8 experts) took 0.29 ms a call,
     more than the layer's four grouped GEMMs together.
 
@@ -367,9 +374,9 @@ def grouped_sum(x_NM: torch.Tensor, counts, offsets: torch.Tensor | None = None)
     Returns:
         out_LM: shape [L, M], fp32 (float64 for float64 rows).
     """
-    counts_L = _device_counts(counts, x_NM.device)
     if use_triton(x_NM):
-        return _grouped_sum_triton(x_NM.contiguous(), counts_L, _given_or_made(offsets, counts_L, x_NM.device))
+        return _grouped_sum_triton(x_NM.contiguous(), _given_or_made(offsets, counts, x_NM.device))
+    counts_L = _device_counts(counts, x_NM.device)
     acc_dtype = torch.promote_types(x_NM.dtype, torch.float32)
     L = counts_L.shape[0]
     lengths = torch.cat([counts_L, (x_NM.shape[0] - counts_L.sum()).reshape(1)])
@@ -380,21 +387,21 @@ _SUM_BLOCK_R, _SUM_BLOCK_M = 32, 128  # rows and columns of one tile of the grou
 _SUM_PROGRAMS = 1024  # programs the grouped sum's grid aims for: experts x column blocks x chunks
 
 
-def _grouped_sum_launch(x_NM: torch.Tensor, counts_L: torch.Tensor, offsets_L: torch.Tensor) -> torch.Tensor:
+def _grouped_sum_launch(x_NM: torch.Tensor, offsets_L: torch.Tensor) -> torch.Tensor:
     """Launch: each expert's rows cut into chunks (as many as fill the grid, from the shape alone), each
     chunk summed by one program per column block, then the chunks' partial sums added by torch."""
-    M, L = x_NM.shape[1], counts_L.shape[0]
+    M, L = x_NM.shape[1], offsets_L.shape[0]
     if L == 0 or M == 0:
         return torch.zeros(L, M, dtype=torch.float32, device=x_NM.device)
     column_blocks = -(-M // _SUM_BLOCK_M)
     chunks = max(1, min(64, _SUM_PROGRAMS // (L * column_blocks)))
     partial = torch.empty(L, chunks, M, dtype=torch.float32, device=x_NM.device)
     _kernels()[2][(L, column_blocks, chunks)](
-        x_NM, offsets_L - counts_L, offsets_L, partial, M, x_NM.stride(0), chunks, BLOCK_R=_SUM_BLOCK_R, BLOCK_M=_SUM_BLOCK_M,
+        x_NM, offsets_L, partial, M, x_NM.stride(0), chunks, BLOCK_R=_SUM_BLOCK_R, BLOCK_M=_SUM_BLOCK_M,
     )
     return partial.sum(1)
 
 
 _grouped_sum_triton = launcher(
     "exactmoe::grouped_sum", _grouped_sum_launch,
-    lambda x_NM, counts_L, offsets_L: x_NM.new_empty(counts_L.shape[0], x_NM.shape[1], dtype=torch.float32))
+    lambda x_NM, offsets_L: x_NM.new_empty(offsets_L.shape[0], x_NM.shape[1], dtype=torch.float32))

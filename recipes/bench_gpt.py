@@ -51,7 +51,7 @@ def _engine(cfg: gpt.TrainConfig):
     """The recipe's model and engine for `cfg`, TensorBoard statistics included (as the recipe writes them)."""
     torch.manual_seed(cfg.seed)
     model = GPT(gpt.model_config(cfg))
-    if cfg.compile:  # as the recipe does: in place, before the engine wraps it
+    if cfg.compile:  # as the recipe does: in place, before the engine wraps it (steps run in gpt.compile_setup)
         model.compile()
     groups = split_params_into_different_moe_groups_for_optimizer({"params": list(model.parameters()), "name": "dense"})
     config = engine_config(gpt.engine_fragments(cfg), set(), cfg.config)
@@ -117,6 +117,26 @@ def _profile(engines: dict, runs: dict, tokens: torch.Tensor, first_step: int) -
         print("\n".join(f"  {op[:60]:<60} {calls:7.1f} {ms:8.3f}" for op, calls, ms in top))
 
 
+def _steps(runs: dict, engines: dict, tokens: torch.Tensor, warmup: int, steps: int, timers: dict, times: dict,
+           faults: dict, dropped: list) -> None:
+    """The untimed then the timed steps, the models alternating; fills times, faults and dropped."""
+    for step in range(warmup + steps):
+        if step == warmup:
+            for timer in timers.values():
+                timer.clear()
+        for name, cfg in runs.items():
+            x, y = gpt.train_batch(tokens, cfg, step, 0, 0)
+            faulted, start = _minor_faults(), time.perf_counter()
+            gpt.train_step(engines[name][0], cfg, x, y).item()
+            if step >= warmup:
+                times[name].append(time.perf_counter() - start)
+                if faulted is not None:
+                    faults[name].append(_minor_faults() - faulted)
+                layers = engines[name][0].last_routing_stats
+                if name == "moe" and layers:
+                    dropped.append(sum(layer.dropped_fraction for layer in layers) / len(layers))
+
+
 def main(argv=None) -> dict:
     argv = sys.argv[1:] if argv is None else argv
     parser = flag_parser(gpt.TrainConfig, __doc__)
@@ -147,21 +167,10 @@ def main(argv=None) -> dict:
     times = {name: [] for name in runs}
     faults = {name: [] for name in runs}  # minor page faults of each timed step (fresh memory touched)
     dropped = []  # the MoE layers' dropped fraction of each timed step
-    for step in range(warmup + steps):
-        if step == warmup:
-            for timer in timers.values():
-                timer.clear()
-        for name, cfg in runs.items():
-            x, y = gpt.train_batch(tokens, cfg, step, 0, 0)
-            faulted, start = _minor_faults(), time.perf_counter()
-            gpt.train_step(engines[name][0], cfg, x, y).item()
-            if step >= warmup:
-                times[name].append(time.perf_counter() - start)
-                if faulted is not None:
-                    faults[name].append(_minor_faults() - faulted)
-                layers = engines[name][0].last_routing_stats
-                if name == "moe" and layers:
-                    dropped.append(sum(layer.dropped_fraction for layer in layers) / len(layers))
+    with gpt.compile_setup(base):
+        _steps(runs, engines, tokens, warmup, steps, timers, times, faults, dropped)
+        if profiled:
+            _profile(engines, runs, tokens, warmup + steps)
     results = {}
     for name in runs:
         ms = statistics.median(times[name]) * 1e3
@@ -180,8 +189,6 @@ def main(argv=None) -> dict:
         print(f"{name} model, parts of the timed steps:")
         print("\n".join("  " + line for line in timer.lines()))
         timer.remove()
-    if profiled:
-        _profile(engines, runs, tokens, warmup + steps)
     for engine, _ in engines.values():
         if engine.monitor is not None:
             engine.monitor.close()

@@ -307,12 +307,16 @@ def check(parser, cfg: TrainConfig, world: int) -> None:
         fail(parser, str(error))
 
 
+def compile_setup(cfg: TrainConfig):
+    """A context with Dynamo set up for --compile (nothing without it): the packed and grouped
+    layouts' one host read (rows per expert) becomes symbolic sizes, so they compile whole instead of
+    breaking the graph and recompiling as the counts change."""
+    return torch._dynamo.config.patch(capture_scalar_outputs=True) if cfg.compile else contextlib.nullcontext()
+
+
 def compiled_train(cfg: TrainConfig, given: set[str], rank: int, world: int) -> dict:
     """`train`, with Dynamo set up for --compile."""
-    # compiled, the packed and grouped layouts' one host read (rows per expert) becomes symbolic sizes,
-    # so they compile whole instead of breaking the graph and recompiling as the counts change
-    compiling = torch._dynamo.config.patch(capture_scalar_outputs=True) if cfg.compile else contextlib.nullcontext()
-    with compiling:
+    with compile_setup(cfg):
         return train(cfg, given, rank, world)
 
 
