@@ -169,8 +169,6 @@ def main(argv=None) -> dict:
     dropped = []  # the MoE layers' dropped fraction of each timed step
     with gpt.compile_setup(base):
         _steps(runs, engines, tokens, warmup, steps, timers, times, faults, dropped)
-        if profiled:
-            _profile(engines, runs, tokens, warmup + steps)
     results = {}
     for name in runs:
         ms = statistics.median(times[name]) * 1e3
@@ -189,6 +187,9 @@ def main(argv=None) -> dict:
         print(f"{name} model, parts of the timed steps:")
         print("\n".join("  " + line for line in timer.lines()))
         timer.remove()
+    if profiled:
+        with gpt.compile_setup(base):
+            _profile(engines, runs, tokens, warmup + steps)
     for engine, _ in engines.values():
         if engine.monitor is not None:
             engine.monitor.close()
