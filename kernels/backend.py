@@ -94,8 +94,8 @@ def launcher(name: str, launch, fake):
     op.register_fake(fake)
 
     def run(t, *args):
-        return op(t, *args) if _traced(t) else launch(t, *args)
+        return run.op(t, *args) if _traced(t) else run.launch(t, *args)
 
-    run.op = op
+    run.op, run.launch = op, launch
     run.__doc__, run.__name__ = launch.__doc__, launch.__name__
     return run

@@ -168,32 +168,40 @@ def test_eager_calls_launch_directly_and_traces_see_the_custom_ops(monkeypatch):
     """Real tensors in eager mode skip the custom ops' dispatch (host time); meta and fake tensors,
     dispatch modes, torch.compile and torch.jit.trace go through them, with the same results."""
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.profiler import ProfilerActivity, profile
     from torch.utils.flop_counter import FlopCounterMode
+
+    from kernels import rows
 
     monkeypatch.setenv("MOE_KERNELS", "triton")
     S, K, M, E, C = 6, 2, 16, 3, 4
     row_SK, num_rows = _layout(S, K, E, C, 0.2, 11, packed=False)
     x = torch.randn(S, M, device=DEVICE)
     weight_SK = torch.rand(S, K, device=DEVICE)
+    calls = []  # ("op" or "launch", launcher name) of every call, in order
 
-    def ops_of(run):  # the custom ops dispatched, as the profiler records them (it is no dispatch mode)
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
-            run()
-        return {event.name for event in prof.events() if event.name.startswith("exactmoe::")}
+    for launcher in (rows.gather_rows_triton, rows.combine_rows_triton):
+        for path in ("op", "launch"):
+            def counted(*args, _path=path, _name=launcher.__name__, _inner=getattr(launcher, path)):
+                calls.append((_path, _name))
+                return _inner(*args)
+            monkeypatch.setattr(launcher, path, counted)
 
-    def forward(x_SM, rows, weights):
-        return unpermute_combine(permute(x_SM, rows, num_rows), rows, weights)
+    def paths_of(run):
+        calls.clear()
+        run()
+        return {path for path, _ in calls}, len(calls)
+
+    def forward(x_SM, rows_SK, weights):
+        return unpermute_combine(permute(x_SM, rows_SK, num_rows), rows_SK, weights)
 
     expected = unpermute_combine_reference(permute_reference(x, row_SK, num_rows), row_SK, weight_SK)
-    both = {"exactmoe::gather_rows", "exactmoe::combine_rows"}
-    assert ops_of(lambda: forward(x, row_SK, weight_SK)) == set()
-    assert ops_of(lambda: forward(x.to("meta"), row_SK.to("meta"), weight_SK.to("meta"))) == both
+    assert paths_of(lambda: forward(x, row_SK, weight_SK)) == ({"launch"}, 2)
+    assert paths_of(lambda: forward(x.to("meta"), row_SK.to("meta"), weight_SK.to("meta"))) == ({"op"}, 2)
     with FlopCounterMode(display=False):  # a user's dispatch mode sees the ops
-        assert ops_of(lambda: forward(x, row_SK, weight_SK)) == both
+        assert paths_of(lambda: forward(x, row_SK, weight_SK)) == ({"op"}, 2)
     with FakeTensorMode() as fake:
         fakes = [fake.from_tensor(t) for t in (x, row_SK, weight_SK)]
-        assert forward(*fakes).shape == (S, M)
+        assert paths_of(lambda: forward(*fakes)) == ({"op"}, 2)
     torch._dynamo.reset()
     compiled = torch.compile(forward, backend="aot_eager", fullgraph=True)(x, row_SK, weight_SK)
     traced = torch.jit.trace(forward, (x, row_SK, weight_SK), check_trace=False)  # a direct launch fails here
