@@ -210,11 +210,9 @@ def _device_counts(counts, device) -> torch.Tensor:
     return torch.tensor(list(counts), dtype=torch.int64, device=device)
 
 
-def group_offsets(counts, device: torch.device | None = None) -> torch.Tensor:
-    """The int32 running ends of the groups' rows (torch's grouped GEMM's `offs`), on the counts'
-    device or `device` (counts given as a list), for the `offsets` of grouped_mm, grouped_mm_t and
-    grouped_sum."""
-    counts_L = counts if isinstance(counts, torch.Tensor) else _device_counts(counts, device)
+def group_offsets(counts_L: torch.Tensor) -> torch.Tensor:
+    """The int32 running ends of the groups' rows (torch's grouped GEMM's `offs`) from int counts on
+    the rows' device, for the `offsets` of grouped_mm, grouped_mm_t and grouped_sum."""
     return torch.cumsum(counts_L, 0, dtype=torch.int32)
 
 

@@ -38,6 +38,12 @@ EXPERT_INIT = ("copy", "per_expert_seed")
 EXCHANGES = ("per_choice", "per_rank")
 
 
+def _dispatch(x_SM: torch.Tensor, row_SK: torch.Tensor, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The dispatch buffer and its rows' source tokens, made once for the permute and the combine."""
+    token_N = source_tokens(row_SK, num_rows)
+    return permute(x_SM, row_SK, num_rows, token_N), token_N
+
+
 class MOELayer(nn.Module):
     """Gate, dispatch, experts and combine for one process (DeepSpeed's `MOELayer`).
 
@@ -119,8 +125,7 @@ class MOELayer(nn.Module):
             num_rows = routing.num_experts * routing.capacity
             if self.ep_size > 1 and self.gate.config.drop_tokens:  # (expert choice always has a fixed capacity)
                 check_equal_tokens(x_SM.shape[0], x_SM.device, self.ep_group)
-            token_N = source_tokens(row_SK, num_rows)
-            buffer_NM = permute(x_SM, row_SK, num_rows, token_N)
+            buffer_NM, token_N = _dispatch(x_SM, row_SK, num_rows)
             if self.ep_size == 1:
                 y_NM = self.experts(buffer_NM, None)
             else:
@@ -130,24 +135,21 @@ class MOELayer(nn.Module):
             row_SK = buffer_rows(routing.expert_idx_SK, routing.slot_SK, counts_E=counts_E)
             if self.ep_size > 1:
                 exchange = expert_parallel.plan_exchange(counts_E, self.ep_size, self.ep_group)
-                token_N = source_tokens(row_SK, sum(exchange.send))
-                buffer_NM = permute(x_SM, row_SK, sum(exchange.send), token_N)
+                buffer_NM, token_N = _dispatch(x_SM, row_SK, sum(exchange.send))
                 y_NM = run_experts_packed(self.experts, buffer_NM, exchange, self.ep_group, grouped_gemm=grouped)
             elif grouped and self.experts.stacked and not (torch.compiler.is_compiling() and x_SM.device.type == "cpu"):
                 # (compiled on the CPU, the grouped GEMM cannot be traced in fp32: its meta function
                 # takes bf16 only, so the branch below runs, with its one host read)
                 max_rows = routing.max_rows if routing.max_rows is not None else row_SK.numel()
-                token_N = source_tokens(row_SK, max_rows)
-                buffer_NM = permute(x_SM, row_SK, max_rows, token_N)  # kept rows first, then zero padding rows
+                buffer_NM, token_N = _dispatch(x_SM, row_SK, max_rows)  # kept rows first, then zero padding rows
                 y_NM = self.experts(buffer_NM, counts_E, grouped_gemm=True)
             else:
                 counts = expert_parallel.read_counts(counts_E)  # the one host sync: slice sizes
-                token_N = source_tokens(row_SK, sum(counts))
-                buffer_NM = permute(x_SM, row_SK, sum(counts), token_N)
+                buffer_NM, token_N = _dispatch(x_SM, row_SK, sum(counts))
                 y_NM = self.experts(buffer_NM, counts, grouped_gemm=grouped)
-        # the buffer rows' tokens, made once for the permute and the combine's backward (the experts
-        # give back as many rows as they were sent)
-        shared_N = token_N if token_N.shape[0] == y_NM.shape[0] else None
+        # the experts give back as many rows as they were sent, so the permute's source tokens serve
+        # the combine's backward
+        shared_N = token_N if len(token_N) == len(y_NM) else None
         out_SM = unpermute_combine(y_NM, row_SK, routing.weight_SK, shared_N)
         self.routing, self.l_aux, self.exp_counts, self.z_loss = routing, routing.l_aux, routing.exp_counts, routing.z_loss
         return out_SM

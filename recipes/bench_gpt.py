@@ -117,26 +117,6 @@ def _profile(engines: dict, runs: dict, tokens: torch.Tensor, first_step: int) -
         print("\n".join(f"  {op[:60]:<60} {calls:7.1f} {ms:8.3f}" for op, calls, ms in top))
 
 
-def _steps(runs: dict, engines: dict, tokens: torch.Tensor, warmup: int, steps: int, timers: dict, times: dict,
-           faults: dict, dropped: list) -> None:
-    """The untimed then the timed steps, the models alternating; fills times, faults and dropped."""
-    for step in range(warmup + steps):
-        if step == warmup:
-            for timer in timers.values():
-                timer.clear()
-        for name, cfg in runs.items():
-            x, y = gpt.train_batch(tokens, cfg, step, 0, 0)
-            faulted, start = _minor_faults(), time.perf_counter()
-            gpt.train_step(engines[name][0], cfg, x, y).item()
-            if step >= warmup:
-                times[name].append(time.perf_counter() - start)
-                if faulted is not None:
-                    faults[name].append(_minor_faults() - faulted)
-                layers = engines[name][0].last_routing_stats
-                if name == "moe" and layers:
-                    dropped.append(sum(layer.dropped_fraction for layer in layers) / len(layers))
-
-
 def main(argv=None) -> dict:
     argv = sys.argv[1:] if argv is None else argv
     parser = flag_parser(gpt.TrainConfig, __doc__)
@@ -167,8 +147,22 @@ def main(argv=None) -> dict:
     times = {name: [] for name in runs}
     faults = {name: [] for name in runs}  # minor page faults of each timed step (fresh memory touched)
     dropped = []  # the MoE layers' dropped fraction of each timed step
-    with gpt.compile_setup(base):
-        _steps(runs, engines, tokens, warmup, steps, timers, times, faults, dropped)
+    with gpt.compile_setup(base):  # the recipe's Dynamo setup for --compile (nothing without it)
+        for step in range(warmup + steps):
+            if step == warmup:
+                for timer in timers.values():
+                    timer.clear()
+            for name, cfg in runs.items():
+                x, y = gpt.train_batch(tokens, cfg, step, 0, 0)
+                faulted, start = _minor_faults(), time.perf_counter()
+                gpt.train_step(engines[name][0], cfg, x, y).item()
+                if step >= warmup:
+                    times[name].append(time.perf_counter() - start)
+                    if faulted is not None:
+                        faults[name].append(_minor_faults() - faulted)
+                    layers = engines[name][0].last_routing_stats
+                    if name == "moe" and layers:
+                        dropped.append(sum(layer.dropped_fraction for layer in layers) / len(layers))
     results = {}
     for name in runs:
         ms = statistics.median(times[name]) * 1e3
