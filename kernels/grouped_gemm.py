@@ -147,6 +147,17 @@ def _forced() -> str:
     return forced
 
 
+def _constant_result(fn):
+    """`torch.compiler.assume_constant_result(fn)` without importing Dynamo.
+
+    That decorator imports torch._dynamo (2.6 s of the 5.2 s `import moe` took on a 2-core AMD EPYC)
+    only to mark the function; the mark is set here (tests/kernels/test_grouped_gemm.py checks it is
+    the one torch sets), so `import moe` costs what `import torch` costs.
+    """
+    fn._dynamo_marked_constant = True
+    return fn
+
+
 def _backend(t: torch.Tensor) -> str:
     """"torch" (torch._grouped_mm), "triton" or "loop"; MOE_GROUPED_GEMM forces one."""
     forced = _forced()
@@ -157,7 +168,7 @@ def _backend(t: torch.Tensor) -> str:
     return "triton" if use_triton(t) else "loop"
 
 
-@torch.compiler.assume_constant_result  # torch.compile calls it outside the graph: a try/except cannot be traced
+@_constant_result  # torch.compile calls it outside the graph: a try/except cannot be traced
 @functools.cache
 def _torch_grouped_mm_runs(device: torch.device, dtype: torch.dtype) -> bool:
     """torch's grouped GEMM is private and device-specific: one tiny trial of both forms."""

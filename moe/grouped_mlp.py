@@ -8,12 +8,12 @@ Three implementations, equal up to the order of fp32 sums:
   slots cost nothing; large temporaries (activations, their gradients) live in the CPU workspace and
   the products write into them (`kernels.gemm` picks each product's CPU backend by measurement);
   only the pre-activation is kept besides where the backward needs it (GELU, SiLU). The forward's
-  activation runs once over every row, between the loops of products. The backward goes expert by
-  expert: the hidden gradient of one expert's rows (grad_y W2, then the activation's backward) is
-  made in a buffer of the largest expert's rows (one per worker in the concurrent plan) and used at
-  once for that expert's gradients, so the backward never holds the hidden gradient of all N rows
-  (128 MiB at N = 16384, H = 2048 in fp32). On a 2-core AMD EPYC with AVX-512 this took the same
-  time as one activation backward over all rows (8 experts of [~1000, 256], forward and backward).
+  activation runs once over every row, between the loops of products. The backward makes the hidden
+  gradient of all N rows (grad_y W2 per expert, then one activation backward over every row) where
+  that buffer takes at most WHOLE_HIDDEN_BYTES; beyond, it goes expert by expert: the hidden
+  gradient of one expert's rows is made in a buffer of the largest expert's rows (one per worker in
+  the concurrent plan) and used at once for that expert's gradients, so a large layer's backward
+  never holds the hidden gradient of all N rows (128 MiB at N = 16384, H = 2048 in fp32).
 - grouped: one grouped GEMM per layer for all experts (`kernels.grouped_gemm`).
 - concurrent (CPU): the per-expert work with experts side by side on single-threaded workers
   (`kernels.threads`), each product through the backend measured for its shape class on one thread
@@ -48,6 +48,13 @@ ACTIVATIONS = ("relu", "gelu", "silu", "tanh", "sigmoid")
 # measured faster alone but made the training step 4% slower, at 64 experts of [~256, 512] x [512, 2048]
 # (2^34) it made the layer 6% faster
 CONCURRENT_FROM = 1 << 32
+# the per-expert backward makes all experts' hidden gradients in one [N, H] buffer, then runs the
+# activation's backward once over every row, when that buffer takes at most this many bytes; beyond,
+# expert by expert in a buffer of the largest expert's rows (the memory the docstring's note is about).
+# Per expert, oneDNN's GELU backward meets a new row count each call and builds its primitive anew:
+# at the GPT recipe's 8 experts of [~1040, 256] 0.70 against 0.53 ms a call with the row count
+# varying or fixed (2-core AMD EPYC, AVX2), about 1 ms per layer and step above one call over all rows.
+WHOLE_HIDDEN_BYTES = 32 << 20
 
 
 _ACTIVATION_FUNCTIONS = {
@@ -156,6 +163,21 @@ def _hidden_gradient(b: SimpleNamespace, activation: tuple, e: int, w2_t, grad_h
     return grad_h
 
 
+def _whole_hidden_gradient(ctx, b: SimpleNamespace, w2_t) -> tuple | None:
+    """Every expert's hidden gradient, as each expert's rows of one [N, H] buffer: grad_y W2 per expert,
+    then the activation's backward once over all rows; None when the buffer would take more than
+    WHOLE_HIDDEN_BYTES (the backward then goes expert by expert)."""
+    N, H = b.a_NH.shape
+    if N * H * b.a_NH.element_size() > WHOLE_HIDDEN_BYTES:
+        return None
+    grad_h_NH = workspace.empty((N, H), b.a_NH.dtype, b.a_NH.device)
+    grad_h_e = grad_h_NH.split(ctx.counts)
+    for e in _nonempty(ctx.counts):
+        b.product_h(b.grad_y_e[e], w2_t[e], None, grad_h_e[e])
+    _activation_backward(*ctx.activation, grad_h_NH, b.h_NH, b.a_NH, grad_h_NH)
+    return grad_h_e
+
+
 def _expert_gradients(b: SimpleNamespace, e: int, w1_t, grad_h: torch.Tensor | None) -> None:
     """Expert e's input, weight and bias gradients that autograd asked for, from its hidden gradient
     grad_h (None when none of them needs it)."""
@@ -187,13 +209,14 @@ def _expert_backward(ctx, b: SimpleNamespace, slots: int):
     b.product_h, b.product_x = (gemm.by_rows_class("linear") if one else gemm.linear for _ in range(2))
     b.product_w2, b.product_w1 = (gemm.by_rows_class("linear_tn") if one else gemm.linear_tn for _ in range(2))
     buffers = queue.SimpleQueue()
-    if b.needs_h:
+    grad_h_e = _whole_hidden_gradient(ctx, b, w2_t) if one and b.needs_h else None
+    if b.needs_h and grad_h_e is None:
         for _ in range(min(slots, len(experts))):
             buffers.put(workspace.empty((max(ctx.counts), b.a_NH.shape[1]), b.a_NH.dtype, b.a_NH.device))
 
     def expert(e: int) -> None:
-        if not b.needs_h:
-            _expert_gradients(b, e, w1_t, None)
+        if not b.needs_h or grad_h_e is not None:
+            _expert_gradients(b, e, w1_t, None if grad_h_e is None else grad_h_e[e])
             return
         buffer = buffers.get()
         _expert_gradients(b, e, w1_t, _hidden_gradient(b, ctx.activation, e, w2_t, buffer[:ctx.counts[e]]))

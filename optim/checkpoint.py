@@ -34,11 +34,6 @@ import zlib
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
-from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, TensorWriteData, WriteItem, WriteItemType
-from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from kernels import gemm
 from parallel import accelerator_name
@@ -46,6 +41,17 @@ from parallel import accelerator_name
 __all__ = ["save", "load", "consolidated_state_dict", "verify"]
 
 _FORMAT = 1
+
+
+def _dcp():
+    """torch.distributed.checkpoint and this module's planners, imported when a checkpoint is written or
+    read: importing DCP took 1.2 s on a 2-core AMD EPYC, which every process that imports optim would
+    pay otherwise."""
+    import torch.distributed.checkpoint as dcp
+
+    from optim import checkpoint_planners
+
+    return dcp, checkpoint_planners
 
 
 def _distributed() -> bool:
@@ -136,69 +142,6 @@ def _buffers(engine) -> dict[str, torch.Tensor]:
     return {name: value for name, value in engine.module.state_dict().items() if name not in parameters}
 
 
-class _BoxSavePlanner(DefaultSavePlanner):
-    """Plans one DCP write item per box a rank holds (the state dict handed to dcp.save is a Boxes)."""
-
-    def __init__(self):
-        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
-
-    def create_local_plan(self) -> SavePlan:
-        items = []
-        for key, (size, views) in self.state_dict.items():
-            for offsets, view in views.items():
-                chunk = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=view.shape)
-                data = TensorWriteData(chunk=chunk, properties=TensorProperties.create_from_tensor(view),
-                                       size=torch.Size(size))
-                items.append(WriteItem(index=MetadataIndex(key, offsets), type=WriteItemType.SHARD, tensor_data=data))
-        self.plan = SavePlan(items)
-        return self.plan
-
-    def lookup_object(self, index: MetadataIndex) -> torch.Tensor:
-        return _compact(self.state_dict[index.fqn][1][tuple(index.offset)])
-
-
-_SAME_SIZE_INTEGER = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def _compact(view: torch.Tensor) -> torch.Tensor:
-    """A contiguous host view as a tensor whose storage is exactly its bytes, sharing its memory.
-
-    DCP's file writer copies every tensor whose storage is larger than itself (a box of a flat ZeRO
-    buffer) and holds each copy until the file is written, which would add up to this rank's whole
-    share; through numpy the box gets a storage of its own size and nothing is copied.
-    """
-    if view.device.type != "cpu" or not view.is_contiguous() or view.untyped_storage().nbytes() == view.nbytes:
-        return view
-    bits = _SAME_SIZE_INTEGER.get(view.element_size())
-    if bits is None:
-        return view
-    return torch.from_numpy(view.detach().view(bits).numpy()).view(view.dtype)
-
-
-class _BoxLoadPlanner(DefaultLoadPlanner):
-    """Reads, for each box a rank needs, the overlapping parts of whatever chunks the checkpoint holds,
-    straight into the box's view."""
-
-    def __init__(self):
-        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
-
-    def set_up_planner(self, state_dict, metadata=None, is_coordinator: bool = False) -> None:
-        self.state_dict, self.metadata, self.is_coordinator = state_dict, metadata, is_coordinator
-
-    def create_local_plan(self) -> LoadPlan:
-        requests = []
-        for key, (_, views) in self.state_dict.items():
-            chunks = [ChunkStorageMetadata(offsets=torch.Size(o), sizes=v.shape) for o, v in views.items()]
-            requests += create_read_items_for_chunk_list(key, self.metadata.state_dict_metadata[key], chunks)
-        return LoadPlan(requests)
-
-    def resolve_tensor(self, read_item):
-        view = self.state_dict[read_item.dest_index.fqn][1][tuple(read_item.dest_index.offset)]
-        for dim, (start, length) in enumerate(zip(read_item.dest_offsets, read_item.lengths)):
-            view = view.narrow(dim, start, length)
-        return view
-
-
 def _global_view(engine, with_optimizer: bool = True) -> dict[str, torch.Tensor]:
     """The entries this rank owns, as full per-parameter tensors (collective over each unit's group)."""
     out = {}
@@ -283,9 +226,10 @@ def save(engine, save_dir: str, tag: str | None, client_state: dict, save_latest
         shutil.rmtree(partial, ignore_errors=True)
         os.makedirs(partial)
     _barrier()
+    dcp, planners = _dcp()
     with _single_process_quiet():
-        dcp.save(_boxes_to_write(engine), storage_writer=dcp.FileSystemWriter(partial), planner=_BoxSavePlanner(),
-                 no_dist=not _distributed())
+        dcp.save(_boxes_to_write(engine), storage_writer=dcp.FileSystemWriter(partial),
+                 planner=planners.BoxSavePlanner(), no_dist=not _distributed())
     rng, products = [None] * engine.world_size, [None] * engine.world_size
     if _distributed():
         dist.all_gather_object(rng, _rng_state())
@@ -526,6 +470,7 @@ def load(engine, load_dir: str, tag: str | None, load_optimizer_states: bool = T
     meta = torch.load(os.path.join(path, "meta.pt"), weights_only=True)
     if meta.get("format") != _FORMAT:
         raise RuntimeError(f"checkpoint {path} has format {meta.get('format')}, this version reads {_FORMAT}")
+    dcp, planners = _dcp()
     reader = dcp.FileSystemReader(path)
     metadata = reader.read_metadata()
     mismatch = _model_mismatch(engine, metadata.state_dict_metadata, path)
@@ -534,7 +479,7 @@ def load(engine, load_dir: str, tag: str | None, load_optimizer_states: bool = T
     boxes, states = _boxes_to_read(engine, metadata.state_dict_metadata, load_optimizer_states,
                                    meta.get("per_element_states"))
     with _single_process_quiet():
-        dcp.load(boxes, storage_reader=reader, planner=_BoxLoadPlanner(), no_dist=not _distributed())
+        dcp.load(boxes, storage_reader=reader, planner=planners.BoxLoadPlanner(), no_dist=not _distributed())
     for index, unit in enumerate(engine.units):
         unit.write_back()  # the model's copy of the master just read (all-gathered in stages 1-2)
         if load_optimizer_states and states[index]:

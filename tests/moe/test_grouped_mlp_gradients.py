@@ -143,9 +143,10 @@ def test_an_evaluation_forward_takes_the_plan_of_its_training_forwards(monkeypat
 
 
 @pytest.mark.parametrize("plan", ["per_expert", "concurrent"])
-def test_the_backward_holds_the_hidden_gradient_of_few_experts_at_a_time(plan):
-    """The hidden gradient is made expert by expert, in a buffer of the largest expert's rows (one per
-    worker for the concurrent plan, made on the calling thread), never for all N rows at once. What the
+def test_the_backward_holds_the_hidden_gradient_of_few_experts_at_a_time(plan, monkeypatch):
+    """Where the hidden gradient of all rows would exceed WHOLE_HIDDEN_BYTES (here set just below it), it
+    is made expert by expert, in a buffer of the largest expert's rows (one per worker for the
+    concurrent plan, made on the calling thread), never for all N rows at once. What the
     backward allocates on this thread peaks below the gradients it returns, those buffers, one more
     expert's rows for a oneDNN product's own output (copied into a buffer) and N x M of other
     transients: 2.7 MiB here (per expert) or 3.5 MiB (concurrent, two workers), where a [N, H] hidden
@@ -155,6 +156,7 @@ def test_the_backward_holds_the_hidden_gradient_of_few_experts_at_a_time(plan):
     counts, M, H = [330, 0, 400, 350, 380, 390, 0, 360, 370, 0, 400, 380], 16, 512
     g = torch.Generator().manual_seed(0)
     L, N = len(counts), sum(counts)
+    monkeypatch.setattr(grouped_mlp_module, "WHOLE_HIDDEN_BYTES", N * H * 4 - 1)
     x = torch.randn(N, M, generator=g).requires_grad_()
     w1, b1 = (torch.randn(L, H, M, generator=g) / 4).requires_grad_(), torch.randn(L, H, generator=g).requires_grad_()
     w2, b2 = (torch.randn(L, M, H, generator=g) / 4).requires_grad_(), torch.randn(L, M, generator=g).requires_grad_()
@@ -173,3 +175,31 @@ def test_the_backward_holds_the_hidden_gradient_of_few_experts_at_a_time(plan):
 
 def _reference_with(counts, x, w1, b1, w2, b2):
     return torch.cat([F.linear(F.gelu(F.linear(rows, w1[e], b1[e])), w2[e], b2[e]) for e, rows in enumerate(x.split(counts))])
+
+
+@pytest.mark.parametrize("activation", ["gelu", "silu", "relu", "tanh", "sigmoid"])
+def test_the_hidden_gradient_of_all_rows_gives_the_numbers_of_expert_by_expert(activation, monkeypatch):
+    """Up to WHOLE_HIDDEN_BYTES the per-expert backward makes the hidden gradient of all N rows and runs
+    the activation's backward once; one byte less, once per expert with rows. The same output and
+    gradients within fp32 tolerance: an elementwise kernel may take its scalar path for the last
+    elements of a call (SiLU's derivative then differs in the last bit), and the calls end elsewhere."""
+    operands = _operands(set(NAMES))
+    N, H = sum(COUNTS), operands["w1"].shape[1]
+    calls = []
+    real = grouped_mlp_module._activation_backward
+    monkeypatch.setattr(grouped_mlp_module, "_activation_backward", lambda *args: calls.append(args[2].shape) or real(*args))
+
+    def run(bound):
+        monkeypatch.setattr(grouped_mlp_module, "WHOLE_HIDDEN_BYTES", bound)
+        calls.clear()
+        grads = _gradients(lambda *ops: grouped_mlp_module._PerExpertMLP.apply(*ops, COUNTS, (activation, "none")),
+                           operands)
+        return grads, list(calls)
+
+    whole, whole_calls = run(N * H * 4)
+    per_expert, per_expert_calls = run(N * H * 4 - 1)
+    assert whole_calls == [(N, H)]
+    assert per_expert_calls == [(count, H) for count in COUNTS if count]
+    assert torch.equal(whole["y"], per_expert["y"])
+    for name in NAMES:
+        torch.testing.assert_close(whole[name], per_expert[name], **FP32, msg=lambda m: f"{name}: {m}")
