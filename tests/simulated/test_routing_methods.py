@@ -17,6 +17,7 @@ from optim import initialize
 from recipes import gpt
 from recipes.cli import engine_config
 from recipes.gpt_model import GPT
+from tests.devices import DEVICE
 from tests.simulated.sync_counter import count_syncs
 from tests.simulated.world import META, simulated_world
 
@@ -86,8 +87,8 @@ def test_layer_makes_no_host_sync(cuda_branches, method, compute):
     kwargs = dict(METHODS[method])
     kwargs.setdefault("capacity_factor", 1.25)
     layer = MoE(16, nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16)), num_experts=8, k=2,
-                expert_layout=compute, min_capacity=0, **kwargs)
-    x = torch.randn(3, 8, 16, requires_grad=True)
+                expert_layout=compute, min_capacity=0, **kwargs).to(DEVICE)
+    x = torch.randn(3, 8, 16, device=DEVICE, requires_grad=True)  # CUDA on a GPU; else interpreted Triton on the CPU
     with count_syncs() as counter:
         out, l_aux, _ = layer(x)
         (out.square().sum() + l_aux).backward()

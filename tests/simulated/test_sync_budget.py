@@ -1,11 +1,12 @@
 """The host-sync budget of one MoE layer's forward and backward, counted on the CUDA code path.
 
-Counted on this CPU with the Triton kernels forced and interpreted (MOE_KERNELS=triton, the branches
-a GPU takes): the gate and the padded layout make no host sync; grouped stacked experts in one
-process make none (device offsets); packed in one process, and packed or grouped under expert
-parallelism, make exactly one per layer (the row counts), with either exchange. The input checks
-that would sync are opt-in (MOE_SYNC_CHECKS=1) and are counted too. The same layer also runs on the meta device,
-where any host read would raise.
+Counted with the Triton kernels forced (MOE_KERNELS=triton, the branches a GPU takes): on a GPU on
+CUDA tensors, on a CPU-only machine on CPU tensors with Triton interpreted (the expert-parallel
+counts on gloo ranks on the CPU, interpreted, on any machine). The gate and the padded layout make
+no host sync; grouped stacked experts in one process make none (device offsets); packed in one
+process, and packed or grouped under expert parallelism, make exactly one per layer (the row
+counts), with either exchange. The input checks that would sync are opt-in (MOE_SYNC_CHECKS=1) and
+are counted too. The same layer also runs on the meta device, where any host read would raise.
 """
 
 import pytest
@@ -14,6 +15,7 @@ from torch import nn
 
 from moe import MoE
 from parallel import reset_groups
+from tests.devices import DEVICE
 from tests.distributed import run_distributed
 from tests.simulated.sync_counter import count_syncs
 
@@ -24,7 +26,8 @@ def _layer(compute, ep_size=1, **kwargs):
     return MoE(16, expert, num_experts=4, ep_size=ep_size, k=2, expert_layout=compute, min_capacity=0, **kwargs)
 
 
-def _count(layer, tokens=24, device="cpu", input_grad=True):
+def _count(layer, tokens=24, device=DEVICE, input_grad=True):
+    layer.to(device)
     x = torch.randn(tokens, 16, device=device, requires_grad=input_grad)
     with count_syncs() as counter:
         out, l_aux, _ = layer(x)
@@ -90,7 +93,7 @@ def _expert_parallel_syncs(rank, world_size):
     reset_groups()
     for compute, kwargs in (("grouped", {}), ("packed", {}), ("grouped", dict(dropless=True)), ("padded", {}),
                             ("grouped", dict(exchange="per_rank")), ("packed", dict(exchange="per_rank"))):
-        syncs = _count(_layer(compute, ep_size=world_size, **kwargs))
+        syncs = _count(_layer(compute, ep_size=world_size, **kwargs), device="cpu")  # gloo ranks
         if compute == "padded":  # on the CPU the equal-token check reads the group's counts (free there)
             assert syncs == ["tolist"], syncs
         else:  # the split sizes, read once after the counts are exchanged on the device
