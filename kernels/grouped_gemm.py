@@ -151,8 +151,8 @@ def _constant_result(fn):
     """`torch.compiler.assume_constant_result(fn)` without importing Dynamo.
 
     That decorator imports torch._dynamo (2.6 s of the 5.2 s `import moe` took on a 2-core AMD EPYC)
-    only to mark the function; the mark is set here (tests/kernels/test_grouped_gemm.py checks it is
-    the one torch sets), so `import moe` costs what `import torch` costs.
+    only to mark the function; the mark is set here (tests/test_packaging.py checks it is the one
+    torch sets), so `import moe` costs what `import torch` costs.
     """
     fn._dynamo_marked_constant = True
     return fn

@@ -134,7 +134,8 @@ def _backward_buffers(ctx, grad_y_NM) -> SimpleNamespace:
     needs no gradient), whole and as each expert's rows (`*_e`).
 
     Weight and bias gradients are zero for experts that got no rows; the rest is written by the products.
-    The hidden gradient is made per expert (`_hidden_gradient`) when x, W1 or b1 needs a gradient (`b.needs_h`).
+    The hidden gradient is made when x, W1 or b1 needs a gradient (`b.needs_h`): for all rows at once
+    (`_whole_hidden_gradient`) up to WHOLE_HIDDEN_BYTES, else per expert (`_hidden_gradient`).
     """
     x_NM, weight1, weight2, a_NH, *kept = ctx.saved_tensors
     counts = ctx.counts
@@ -164,9 +165,7 @@ def _hidden_gradient(b: SimpleNamespace, activation: tuple, e: int, w2_t, grad_h
 
 
 def _whole_hidden_gradient(ctx, b: SimpleNamespace, w2_t) -> tuple | None:
-    """Every expert's hidden gradient, as each expert's rows of one [N, H] buffer: grad_y W2 per expert,
-    then the activation's backward once over all rows; None when the buffer would take more than
-    WHOLE_HIDDEN_BYTES (the backward then goes expert by expert)."""
+    """Each expert's rows of one [N, H] hidden gradient, one activation backward for all; None past the bound."""
     N, H = b.a_NH.shape
     if N * H * b.a_NH.element_size() > WHOLE_HIDDEN_BYTES:
         return None
@@ -197,9 +196,11 @@ def _expert_gradients(b: SimpleNamespace, e: int, w1_t, grad_h: torch.Tensor | N
 def _expert_backward(ctx, b: SimpleNamespace, slots: int):
     """The backward's work for one expert e, as a function of e, for up to `slots` experts at once.
 
-    Each running expert takes one of `slots` hidden-gradient buffers of the largest expert's rows and
-    gives it back when done. The buffers are made here, on the calling thread, so that allocation
-    trackers (which see only that thread) see them, and never [N, H] at once.
+    With one slot and a hidden gradient of all rows within WHOLE_HIDDEN_BYTES, that gradient is made
+    here first, for every expert (`_whole_hidden_gradient`). Otherwise each running expert takes one of
+    `slots` hidden-gradient buffers of the largest expert's rows and gives it back when done. The
+    buffers are made here, on the calling thread, so that allocation trackers (which see only that
+    thread) see them, and never [N, H] at once.
     """
     w1_t, w2_t = b.weight1.transpose(1, 2).unbind(0), b.weight2.transpose(1, 2).unbind(0)
     experts = _nonempty(ctx.counts)
@@ -249,8 +250,9 @@ class _PerExpertMLP(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_y_NM):
-        # expert by expert: grad_h = act'(.) * (grad_y W2) in one buffer of the largest expert's rows,
-        # then grad_x = grad_h W1, the weight gradients (reductions over the expert's rows) and the biases
+        # grad_h = act'(.) * (grad_y W2) for all rows at once (up to WHOLE_HIDDEN_BYTES) or expert by expert in
+        # one buffer of the largest expert's rows, then per expert grad_x = grad_h W1, the weight gradients
+        # (reductions over the expert's rows) and the biases
         b = _backward_buffers(ctx, grad_y_NM)
         expert = _expert_backward(ctx, b, 1)
         for e in _nonempty(ctx.counts):

@@ -185,5 +185,5 @@ def test_the_constant_result_mark_is_the_one_torch_sets():
     _constant_result(ours)
     torch_marked = torch.compiler.assume_constant_result(torchs)
     assert torch_marked is torchs
-    added = {k: v for k, v in vars(torchs).items()}
+    added = dict(vars(torchs))
     assert added and vars(ours) == added
