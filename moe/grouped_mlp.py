@@ -150,7 +150,7 @@ def _backward_buffers(ctx, grad_y_NM) -> SimpleNamespace:
     b.grad_b2 = _grad_like(weight2.new_empty(weight2.shape[:2]), counts) if needs_b2 else None
     # each expert's rows as views made in one call per tensor: the loops issue products, not slicing
     b.grad_y_e, b.grad_x_e, b.x_e, b.a_e, b.h_e = (
-        none if t is None else t.split(counts) for t in (b.grad_y_NM, b.grad_x_NM, x_NM, a_NH, b.h_NH))
+        none if t is None else t.split_with_sizes(counts) for t in (b.grad_y_NM, b.grad_x_NM, x_NM, a_NH, b.h_NH))
     b.grad_w1_e, b.grad_w2_e, b.grad_b1_e, b.grad_b2_e = (
         none if t is None else t.unbind(0) for t in (b.grad_w1, b.grad_w2, b.grad_b1, b.grad_b2))
     return b
@@ -170,7 +170,7 @@ def _whole_hidden_gradient(ctx, b: SimpleNamespace, w2_t) -> tuple | None:
     if N * H * b.a_NH.element_size() > WHOLE_HIDDEN_BYTES:
         return None
     grad_h_NH = workspace.empty((N, H), b.a_NH.dtype, b.a_NH.device)
-    grad_h_e = grad_h_NH.split(ctx.counts)
+    grad_h_e = grad_h_NH.split_with_sizes(ctx.counts)
     for e in _nonempty(ctx.counts):
         b.product_h(b.grad_y_e[e], w2_t[e], None, grad_h_e[e])
     _activation_backward(*ctx.activation, grad_h_NH, b.h_NH, b.a_NH, grad_h_NH)
@@ -236,7 +236,7 @@ class _PerExpertMLP(torch.autograd.Function):
         name, approximate = activation
         h_NH, a_NH, y_NM = _forward_buffers(x_NM, weight1, weight2, name)
         w1, w2, b1, b2 = (_per_expert(p, weight1.shape[0]) for p in (weight1, weight2, bias1, bias2))
-        x_e, h_e, a_e, y_e = (t.split(counts) for t in (x_NM, h_NH, a_NH, y_NM))
+        x_e, h_e, a_e, y_e = (t.split_with_sizes(counts) for t in (x_NM, h_NH, a_NH, y_NM))
         experts = _nonempty(counts)
         first, second = (gemm.by_rows_class("linear") for _ in range(2))
         for e in experts:
@@ -274,7 +274,7 @@ class _ConcurrentMLP(torch.autograd.Function):
         name, approximate = activation
         h_NH, a_NH, y_NM = _forward_buffers(x_NM, weight1, weight2, name)
         w1, w2, b1, b2 = (_per_expert(p, weight1.shape[0]) for p in (weight1, weight2, bias1, bias2))
-        x_e, h_e, a_e, y_e = (t.split(counts) for t in (x_NM, h_NH, a_NH, y_NM))
+        x_e, h_e, a_e, y_e = (t.split_with_sizes(counts) for t in (x_NM, h_NH, a_NH, y_NM))
 
         def expert(e):
             gemm.linear(x_e[e], w1[e], b1[e], h_e[e])
