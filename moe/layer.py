@@ -19,7 +19,7 @@ import warnings
 import torch
 from torch import nn
 
-from kernels import buffer_rows, permute, unpermute_combine
+from kernels import buffer_rows, permute, unpermute_combine, workspace
 from kernels.grouped_gemm import torch_backend_runs
 from kernels.rows import source_tokens
 from moe import expert_parallel
@@ -84,6 +84,7 @@ class MOELayer(nn.Module):
         self.expert_layout = expert_layout
         self.ep_group = ep_group
         self.l_aux = self.exp_counts = self.z_loss = self.routing = None
+        workspace.keep_freed_memory()  # before a compiled model's first step (see kernels.workspace)
 
     def _layout(self, device: torch.device, dtype: torch.dtype) -> str:
         """The expert layout for a forward on `device` with inputs of `dtype`: "auto" resolves by device,

@@ -429,3 +429,16 @@ def test_a_group_already_flagged_moe_and_named_keeps_its_name():
          {"params": experts, "name": "my_experts", "moe": True, "lr": 0.5}], max_group_size=None)
     moe_groups = [g for g in groups if g["params"] and g.get("moe")]
     assert [(g["name"], g["lr"], len(g["params"])) for g in moe_groups] == [("my_experts", 0.5, len(experts))]
+
+
+@pytest.mark.parametrize("pool", ["1", "0"])
+def test_building_a_layer_asks_glibc_to_keep_freed_chunks_unless_the_workspace_is_off(pool, monkeypatch):
+    """A compiled model never uses the CPU workspace, whose first use tunes glibc; the layer tunes it
+    when built (kernels.workspace.keep_freed_memory), and MOE_CPU_WORKSPACE=0 leaves glibc alone."""
+    from kernels import workspace
+
+    calls = []
+    monkeypatch.setattr(workspace, "_tune_malloc", lambda: calls.append(1) or True)
+    monkeypatch.setenv("MOE_CPU_WORKSPACE", pool)
+    MoE(8, nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8)), num_experts=4, k=2)
+    assert len(calls) == (1 if pool == "1" else 0)
