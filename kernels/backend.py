@@ -35,7 +35,8 @@ def use_triton(t: torch.Tensor) -> bool:
 
     Raises:
         ValueError: MOE_KERNELS is not one of auto, triton, torch.
-        RuntimeError: MOE_KERNELS=triton without triton, or on CPU tensors without TRITON_INTERPRET=1.
+        RuntimeError: MOE_KERNELS=triton without triton (meta tensors excepted: they run no kernel), or on
+            CPU tensors without TRITON_INTERPRET=1.
     """
     choice = os.environ.get("MOE_KERNELS", "auto")
     if choice not in CHOICES:
@@ -44,9 +45,11 @@ def use_triton(t: torch.Tensor) -> bool:
         return False
     if choice == "auto":
         return t.is_cuda and _triton_importable()
+    if t.device.type == "meta":  # no kernel runs: the custom op's shape-only implementation, Triton or not
+        return True
     if not _triton_importable():
         raise RuntimeError("MOE_KERNELS=triton but triton is not installed")
-    if not t.is_cuda and t.device.type != "meta" and os.environ.get("TRITON_INTERPRET") != "1":  # meta runs no kernel
+    if not t.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
         raise RuntimeError("MOE_KERNELS=triton on CPU tensors needs TRITON_INTERPRET=1 (the Triton interpreter)")
     return True
 

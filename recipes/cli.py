@@ -10,6 +10,7 @@ import copy
 import dataclasses
 import json
 import os
+import re
 import sys
 
 import torch.distributed as dist
@@ -47,6 +48,11 @@ def noisy_gate_policy(flag: str) -> str | None:
 
 
 class _Parser(argparse.ArgumentParser):
+    """Flags are spelled out: a prefix such as `--topk` is an error, not silently `--topk-group`."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, allow_abbrev=False, **kwargs)
+
     def error(self, message: str):
         """One line, no usage block."""
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
@@ -65,6 +71,17 @@ def flag_parser(config_class, description: str) -> argparse.ArgumentParser:
             options["type"] = type(default)
         parser.add_argument("--" + field.name.replace("_", "-"), **options)
     return parser
+
+
+def flag_names(message: str, config_class) -> str:
+    """`message` with the config's field names written as their flags ("capacity_factor" -> "--capacity-factor"):
+    the layers below a recipe name their Python arguments, the user wrote flags. Only names with an
+    underscore are rewritten, so that plain words (dense, routing) stay words."""
+    names = sorted((f.name for f in dataclasses.fields(config_class) if "_" in f.name), key=len, reverse=True)
+    if not names:
+        return message
+    pattern = re.compile(r"(?<![\w-])(" + "|".join(map(re.escape, names)) + r")(?![\w-])")
+    return pattern.sub(lambda match: "--" + match.group(1).replace("_", "-"), message)
 
 
 def given_flags(parser: argparse.ArgumentParser, argv: list[str] | None) -> set[str]:

@@ -17,6 +17,7 @@ experts / e experts and tokens reach them by all-to-all. Training goes through t
 prints the tokens its experts received.
 """
 
+import math
 import time
 from dataclasses import asdict, dataclass
 
@@ -106,7 +107,7 @@ def train(cfg: DemoConfig, dense: bool, rank: int = 0, world: int = 1) -> float:
         if not dense and rank == 0 and (step % cfg.log_interval == 0 or step == 1):
             tokens_per_s = step * cfg.batch / (time.perf_counter() - start)
             print(f"step {step:5d}  mse {mse.item():.4f}  l_aux {l_aux.item():.3f}  "
-                  f"expert tokens {exp_counts.tolist()}  {tokens_per_s:,.0f} tokens/s")
+                  f"expert tokens {exp_counts.tolist()}  {tokens_per_s:,.0f} tokens/s", flush=True)
     if not dense and world > 1:
         moe_layer = model.ffn
         local = moe_layer.deepspeed_moe.routing.kept_counts()  # this rank's tokens, by global expert
@@ -119,8 +120,14 @@ def train(cfg: DemoConfig, dense: bool, rank: int = 0, world: int = 1) -> float:
 def main(argv=None) -> dict:
     parser = flag_parser(DemoConfig, __doc__)
     cfg = DemoConfig(**vars(parser.parse_args(argv)))
+    for name in ("steps", "batch", "hidden", "ffn", "experts", "k", "clusters", "log_interval", "ep_world_size"):
+        if getattr(cfg, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(cfg, name)}")
     if cfg.k > cfg.experts:
         parser.error(f"--k ({cfg.k}) must be at most --experts ({cfg.experts})")
+    for name in ("capacity_factor", "lr"):
+        if not (math.isfinite(getattr(cfg, name)) and getattr(cfg, name) > 0):
+            parser.error(f"--{name.replace('_', '-')} must be a positive finite number, got {getattr(cfg, name)}")
     rank, world = init_distributed()
     if world % cfg.ep_world_size or cfg.experts % cfg.ep_world_size:
         parser.error(f"--ep-world-size ({cfg.ep_world_size}) must divide the number of processes ({world}) "
@@ -128,15 +135,15 @@ def main(argv=None) -> dict:
     if cfg.stage not in (0, 1, 2, 3) or cfg.dtype not in ("fp32", "bf16", "fp16"):
         parser.error(f"--stage must be 0-3 and --dtype fp32, bf16 or fp16, got {cfg.stage} and {cfg.dtype!r}")
     if rank == 0:
-        print("config:", asdict(cfg), f"processes={world}")
+        print("config:", asdict(cfg), f"processes={world}", flush=True)
     moe_mse = train(cfg, dense=False, rank=rank, world=world)
     result = {"moe": moe_mse}
     if world == 1:
         result["dense"] = train(cfg, dense=True)
         print(f"final mse (mean of the last {cfg.log_interval} steps): MoE {moe_mse:.4f}  "
-              f"dense MLP of one expert's size {result['dense']:.4f}")
+              f"dense MLP of one expert's size {result['dense']:.4f}", flush=True)
     elif rank == 0:
-        print(f"final mse on rank 0 (mean of the last {cfg.log_interval} steps): MoE {moe_mse:.4f}")
+        print(f"final mse on rank 0 (mean of the last {cfg.log_interval} steps): MoE {moe_mse:.4f}", flush=True)
     if dist.is_initialized():
         dist.barrier()  # no rank tears its group down while a peer's last exchange is in flight
         dist.destroy_process_group()

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from moe import split_params_into_different_moe_groups_for_optimizer
 from optim import initialize, read_client_state
 from recipes import runner
-from recipes.cli import (engine_config, fail, flag_parser, keep_last_field, noisy_gate_policy,
+from recipes.cli import (engine_config, fail, flag_names, flag_parser, keep_last_field, noisy_gate_policy,
                          noisy_gate_policy_field, resume_field, saved_recipe, start_over_field)
 from recipes.gpt_model import GPT, GPTConfig
 from recipes.training import Progress, SetupError, all_sum, prune_checkpoints
@@ -287,8 +287,15 @@ def check(parser, cfg: TrainConfig, world: int) -> None:
     """The GPT recipe's own flag checks (the runner checks the shared ones); one line on error."""
     if not cfg.dense and cfg.num_experts % cfg.ep_world_size:
         fail(parser, f"--num-experts ({cfg.num_experts}) must be divisible by --ep-world-size ({cfg.ep_world_size})")
+    if not cfg.dense and cfg.num_experts < 1:
+        fail(parser, f"--num-experts must be at least 1, got {cfg.num_experts}")
     if not cfg.dense and not 1 <= cfg.top_k <= cfg.num_experts:
         fail(parser, f"--top-k ({cfg.top_k}) must be between 1 and --num-experts ({cfg.num_experts})")
+    if not cfg.dense and not 1 <= cfg.moe_every <= cfg.n_layer:
+        fail(parser, f"--moe-every ({cfg.moe_every}) must be between 1 and --n-layer ({cfg.n_layer}), or the "
+                     "model has no MoE block (the dense twin is --dense)")
+    if cfg.data and not os.path.exists(cfg.data):
+        fail(parser, f"--data {cfg.data} does not exist (a text file, a folder of them, or empty for CPython's docs)")
     if cfg.dense and cfg.ep_world_size > 1:
         fail(parser, f"--dense has no experts to spread: use --ep-world-size 1, got {cfg.ep_world_size}")
     for name in ("steps", "batch_size", "seq_len", "eval_interval", "eval_batches", "log_interval", "n_layer"):
@@ -304,7 +311,7 @@ def check(parser, cfg: TrainConfig, world: int) -> None:
     try:
         model_config(cfg)
     except ValueError as error:
-        fail(parser, str(error))
+        fail(parser, flag_names(str(error), TrainConfig))
 
 
 def compile_setup(cfg: TrainConfig):

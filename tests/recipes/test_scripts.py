@@ -85,6 +85,20 @@ def test_demo_under_torchrun_with_expert_parallelism(tmp_path):
     assert "Traceback" not in bad.stderr
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--ep-world-size", "0"], "--ep-world-size must be at least 1, got 0"),
+    (["--steps", "0"], "--steps must be at least 1, got 0"),
+    (["--k", "0"], "--k must be at least 1, got 0"),
+    (["--k", "5"], "--k (5) must be at most --experts (4)"),
+    (["--capacity-factor", "-1"], "--capacity-factor must be a positive finite number, got -1.0"),
+])
+def test_demo_bad_flags_stop_with_one_line(argv, message, capsys):
+    with pytest.raises(SystemExit) as stop:
+        demo.main(argv)
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and len(err.strip().splitlines()) == 1 and message in err, err
+
+
 def test_engine_benchmark_matches_the_zero_accounting_in_one_process(capsys):
     from recipes import bench_engine
 
