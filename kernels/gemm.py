@@ -15,7 +15,8 @@ Backends, all exact up to the order of the fp32 sums:
 
 The first time a shape class is met (N rounded up to a power of two, the widths, dtype, operand
 layouts, bias), every backend runs on the actual operands, alternating, and the fastest minimum time
-wins. Products run on the single-threaded workers of `kernels.threads` (a concurrent plan) have
+wins (a candidate over DROP_SLOWER_THAN times the fastest after a round is not timed again). Timing
+expected to take over NOTICE_SECONDS is announced once per process on stderr. Products run on the single-threaded workers of `kernels.threads` (a concurrent plan) have
 shape classes of their own ("linear@worker"), measured there: one thread favours other kernels than
 two. Workers that meet a new class together may each measure it; the first choice stored is the one
 every caller uses. The choice is kept for the rest of the process and never revised, so two
@@ -30,6 +31,7 @@ own products.
 
 import functools
 import json
+import logging
 import os
 import platform
 import tempfile
@@ -55,6 +57,13 @@ _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.floa
 # calls of seconds (a layer's plan): one timing on a shared machine picks at random between candidates
 # 5% apart
 _ROUNDS = 3
+# after a round, a candidate this much slower than the fastest is timed no more: a gap this wide is not
+# the machine's noise, and at a layer's size a candidate costs seconds a call (the README's example
+# layer on a 2-core AMD EPYC: the grouped GEMM 3.6 s against the per-expert plan's 2.7 s)
+DROP_SLOWER_THAN = 1.25
+NOTICE_SECONDS = 10.0  # measuring expected to take longer than this is announced (once per process)
+_noticed = False
+_log = logging.getLogger(__name__)
 _choices: dict[str, str] = {}
 _fast: dict[tuple, str] = {}  # the hot path's index of _choices, by the parts of the key
 _loaded_from: str | None = None
@@ -137,16 +146,34 @@ _LINEAR_TN = {"blas": _linear_tn_blas, "onednn": _linear_tn_onednn}
 # --- the choice ---------------------------------------------------------------------------------
 
 def _measure(runs: dict) -> str:
-    """The name in `runs` whose call took the least time: each called once to warm up, then alternately."""
+    """The name in `runs` whose call took the least time: each called once to warm up, then alternately;
+    after each round, candidates over DROP_SLOWER_THAN times the fastest so far are timed no more."""
+    started = time.perf_counter()
     for run in runs.values():
         run()
+        _notice(started, len(runs))
     best = dict.fromkeys(runs, float("inf"))
+    timed = dict(runs)
     for _ in range(_ROUNDS):
-        for name, run in runs.items():
+        for name, run in timed.items():
             start = time.perf_counter()
             run()
             best[name] = min(best[name], time.perf_counter() - start)
+        fastest = min(best.values())
+        timed = {name: run for name, run in timed.items() if best[name] <= DROP_SLOWER_THAN * fastest}
     return min(runs, key=lambda name: best[name])  # ties: the first listed
+
+
+def _notice(started: float, candidates: int) -> None:
+    """Say once per process, on stderr (logging's warning), that a first call is slow because it is timing
+    candidates: at most NOTICE_SECONDS of measuring pass unannounced."""
+    global _noticed
+    if _noticed or (time.perf_counter() - started) * candidates * (_ROUNDS + 1) < NOTICE_SECONDS:
+        return
+    _noticed = True
+    _log.warning("exactmoe: timing the CPU products and expert plans for a new layer shape; this first call takes "
+                 "several times a normal one, once per shape class and process (MOE_CPU_GEMM_CACHE=<file.json> "
+                 "keeps the choices for later runs, MOE_CPU_GEMM=blas skips the timing; see kernels.gemm)")
 
 
 def choose(key: str, runs: dict) -> str:

@@ -340,3 +340,43 @@ def test_bad_settings_are_named(monkeypatch, tmp_path):
     monkeypatch.setenv("MOE_CPU_GEMM_CACHE", str(bad))
     with pytest.raises(ValueError, match="MOE_CPU_GEMM_CACHE=.*bad.json"):
         gemm.linear(x, w)
+
+
+class _Clock:
+    """time.perf_counter for gemm: each candidate's call advances it by that candidate's cost."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+    def run(self, seconds: float, calls: list, name: str):
+        def call():
+            calls.append(name)
+            self.now += seconds
+        return call
+
+
+def test_a_candidate_far_slower_after_a_round_is_timed_no_more(monkeypatch):
+    clock, calls = _Clock(), []
+    monkeypatch.setattr(gemm.time, "perf_counter", clock)
+    runs = {"fast": clock.run(1.0, calls, "fast"), "close": clock.run(1.1, calls, "close"),
+            "slow": clock.run(1.3, calls, "slow")}  # 1.3 > DROP_SLOWER_THAN = 1.25 times the fastest
+    assert gemm._measure(runs) == "fast"
+    assert calls.count("fast") == calls.count("close") == 1 + gemm._ROUNDS  # warm-up, then every round
+    assert calls.count("slow") == 2  # warm-up and the first round
+
+
+def test_a_long_measurement_is_announced_once_per_process(monkeypatch, caplog):
+    clock, calls = _Clock(), []
+    monkeypatch.setattr(gemm.time, "perf_counter", clock)
+    monkeypatch.setattr(gemm, "_noticed", False)
+    quick = {name: clock.run(0.1, calls, name) for name in ("a", "b")}  # 2 x 4 calls of 0.1 s: under NOTICE_SECONDS
+    with caplog.at_level("WARNING", logger="kernels.gemm"):
+        gemm._measure(quick)
+        assert caplog.records == []
+        slow = {name: clock.run(2.0, calls, name) for name in ("a", "b")}  # about 16 s
+        gemm._measure(slow)
+        gemm._measure(slow)
+    assert len(caplog.records) == 1 and "MOE_CPU_GEMM_CACHE" in caplog.records[0].getMessage()
