@@ -5,6 +5,8 @@ data-parallel mesh (which takes every parameter not already sharded). Gradients 
 over their mesh and divided by the data-parallel world size, as stages 0-2 do.
 """
 
+import warnings
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -31,6 +33,7 @@ def shard_model(module: nn.Module, infos: dict[int, ParamInfo], compute_dtype: t
     """
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
+    _quiet_view_warning()
     if compute_dtype is not None and master_dtype == torch.bfloat16:
         module.to(torch.bfloat16)
         policy = MixedPrecisionPolicy()
@@ -71,6 +74,18 @@ def reshard(module: nn.Module) -> None:
     for sub in module.modules():
         if isinstance(sub, FSDPModule):
             sub.reshard()
+
+
+# fully_shard warns when a module returns a view, since an in-place op on that view would skip the
+# parameters' all-gather before backward. The padded layout's experts return their [L, C, M] product
+# viewed as [N, M], and the layer only reads it (the combine's gather, the all-to-all), so for them the
+# warning is a false alarm that every stage-3 process printed; other modules' warnings stay.
+_EXPERTS_VIEW_WARNING = r"FSDP2-wrapped module \(FSDPExperts\) returned a view tensor"
+
+
+def _quiet_view_warning() -> None:
+    """Silence fully_shard's view warning for the MoE experts' module (see _EXPERTS_VIEW_WARNING)."""
+    warnings.filterwarnings("ignore", message=_EXPERTS_VIEW_WARNING, category=UserWarning)
 
 
 def _outermost_expert_modules(module: nn.Module, by_name: dict[str, ParamInfo]):

@@ -120,8 +120,10 @@ def _profile(engines: dict, runs: dict, tokens: torch.Tensor, first_step: int) -
 def main(argv=None) -> dict:
     argv = sys.argv[1:] if argv is None else argv
     parser = flag_parser(gpt.TrainConfig, __doc__)
+    parser.set_defaults(steps=30)  # timed steps of each model (the recipe's 1200 train)
     parser.add_argument("--warmup", type=int, default=100,
-                        help="untimed steps of each model first (the products are chosen and the router settles)")
+                        help="untimed steps of each model first (the products are chosen and the router settles) "
+                             "(default: %(default)s)")
     parser.add_argument("--breakdown", action="store_true",
                         help="also time each feed-forward block, the MoE layers' gate and experts, and the "
                              "optimizer step (recipes.step_breakdown)")
@@ -130,7 +132,7 @@ def main(argv=None) -> dict:
                              "device and host time, host reads, the costliest ops")
     args = parser.parse_args(argv)
     warmup, breakdown, profiled = (args.__dict__.pop(flag) for flag in ("warmup", "breakdown", "profile"))
-    steps = args.steps if "--steps" in " ".join(argv) else 30
+    steps = args.steps
     if steps < 1 or warmup < 0:
         parser.error(f"--steps must be at least 1 and --warmup at least 0, got {steps} and {warmup}")
     base = gpt.TrainConfig(**{**vars(args), "steps": steps})

@@ -263,11 +263,16 @@ def train(cfg: CifarConfig, given: set[str], rank: int, world: int) -> dict:
     except (OSError, ValueError) as error:
         raise SetupError(str(error)) from None
     first_epoch = 0
+    resumed = ""
     if cfg.resume:
-        _, client = engine.load_checkpoint(cfg.checkpoint_dir)
+        path, client = engine.load_checkpoint(cfg.checkpoint_dir)
         first_epoch = client["epoch"]
+        resumed = f"resumed from {path} after epoch {first_epoch}" + (
+            f"; --epochs {cfg.epochs} are done: nothing to train" if first_epoch >= cfg.epochs else "")
     steps_per_epoch = len(train_x) // (cfg.batch_size * world)
     progress = Progress(cfg.epochs * steps_per_epoch, engine.global_steps, cfg.batch_size * world, "img", rank == 0)
+    if resumed:
+        progress.message(resumed)
     progress.message(f"{len(train_x):,} training and {len(test_x):,} test images; {world} process(es), "
                      f"ep {cfg.ep_world_size}, ZeRO stage {engine.stage}, {cfg.dtype}, {steps_per_epoch} steps per epoch")
     history = []

@@ -240,11 +240,16 @@ def train(cfg: TrainConfig, given: set[str], rank: int, world: int) -> dict:
         raise SetupError(str(error)) from None
     unigram = unigram_baseline(train_tokens, val_tokens)
     first_step = 0
+    resumed = ""
     if cfg.resume:
-        engine.load_checkpoint(cfg.checkpoint_dir)
+        path, _ = engine.load_checkpoint(cfg.checkpoint_dir)
         first_step = engine.global_steps
+        resumed = f"resumed from {path} at step {first_step}" + (
+            f"; --steps {cfg.steps} are done: nothing to train" if first_step >= cfg.steps else "")
     tokens_per_step = cfg.batch_size * cfg.seq_len * engine.accumulation * world
     progress = Progress(cfg.steps, first_step, tokens_per_step, enabled=rank == 0)
+    if resumed:
+        progress.message(resumed)
     progress.message(f"data: {len(data):,} bytes ({len(train_tokens):,} train, {len(val_tokens):,} validation); "
                      f"unigram baseline {unigram:.4f} nats/byte")
     progress.message(f"model: {'dense' if cfg.dense else 'MoE'}, {total_params:,} parameters, {active_params:,} active "

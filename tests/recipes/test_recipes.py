@@ -64,8 +64,12 @@ def test_gpt_trains_logs_every_statistic_and_resumes_exactly(tmp_path, capsys):
     assert all(0 <= d < 1 for d in dropped)
 
     (tmp_path / "ckpt" / "latest").write_text("global_step20")  # as if the run had died after step 20's checkpoint
+    capsys.readouterr()
     resumed = gpt.main(["--resume", "--checkpoint-dir", str(tmp_path / "ckpt")])
+    assert f"resumed from {tmp_path / 'ckpt' / 'global_step20'} at step 20\n" in capsys.readouterr().out
     assert [s for s, _ in resumed["history"]["train"]] == list(range(21, 41))
+    gpt.main(["--resume", "--checkpoint-dir", str(tmp_path / "ckpt")])  # the run is complete: it says so
+    assert "at step 40; --steps 40 are done: nothing to train" in capsys.readouterr().out
     _same_curve(resumed["history"]["train"], straight["history"]["train"][20:])
     _same_curve(resumed["history"]["val"], straight["history"]["val"][1:])
 
@@ -101,7 +105,9 @@ def test_cifar_trains_logs_and_resumes_exactly(tmp_path, capsys):
     assert TRAIN_SCALARS | {"Val/accuracy", "Val/accuracy_cat", "Train/images_per_s", "Train/tokens_per_s"} <= scalars
 
     (tmp_path / "ckpt" / "latest").write_text("global_step24")  # the end of epoch 1
+    capsys.readouterr()
     resumed = cifar.main(["--resume", "--checkpoint-dir", str(tmp_path / "ckpt"), "--epochs", "2"])
+    assert f"resumed from {tmp_path / 'ckpt' / 'global_step24'} after epoch 1\n" in capsys.readouterr().out
     assert resumed["global_steps"] == 48 and len(resumed["history"]) == 1
     again = resumed["history"][0]
     assert (again["epoch"], again["step"]) == (2, 48)
@@ -501,3 +507,12 @@ def test_a_checkpoint_config_saved_under_an_earlier_field_name_still_resumes():
     earlier["expert_compute"] = earlier.pop("expert_layout")
     earlier["expert_compute"] = "padded"
     assert gpt.TrainConfig(**saved_recipe({"recipe": earlier})).expert_layout == "padded"
+
+
+def test_the_readme_lists_every_gpt_flag():
+    readme = (pathlib.Path(__file__).parents[2] / "README.md").read_text()
+    start = readme.index("has the same active parameters per token apart from the router. Flags:")
+    listed = set(re.findall(r"--[a-z][a-z-]*", readme[start:readme.index("lists them with their defaults", start)]))
+    flags = {"--" + field.name.replace("_", "-") for field in dataclasses.fields(gpt.TrainConfig)}
+    assert flags - listed == set()
+    assert listed - flags == {"--topk", "--help"}  # the prefix the text warns about, and --help
