@@ -59,10 +59,10 @@ def _cfg(argv):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--n-group", "3", "--topk-group", "1"], r"n_group \(3\) must divide num_experts \(4\)"),
+    (["--n-group", "3", "--topk-group", "1"], r"--n-group \(3\) must divide --num-experts \(4\)"),
     (["--routing", "expert_choice", "--dropless"], r"dropless must be False"),
     (["--scoring-func", "tanh"], r"argument --scoring-func: invalid choice: 'tanh'"),
-    (["--n-group", "2", "--topk-group", "1", "--top-k", "3"], r"topk_group \* \(num_experts / n_group\) = 1 \* 2"),
+    (["--n-group", "2", "--topk-group", "1", "--top-k", "3"], r"--topk-group \* \(--num-experts / --n-group\) = 1 \* 2"),
 ])
 def test_a_bad_routing_combination_stops_with_one_line(argv, message, capsys):
     with pytest.raises(SystemExit) as stop:
