@@ -15,8 +15,9 @@ Backends, all exact up to the order of the fp32 sums:
 
 The first time a shape class is met (N rounded up to a power of two, the widths, dtype, operand
 layouts, bias), every backend runs on the actual operands, alternating, and the fastest minimum time
-wins (a candidate over DROP_SLOWER_THAN times the fastest after a round is not timed again). Timing
-expected to take over NOTICE_SECONDS is announced once per process on stderr. Products run on the single-threaded workers of `kernels.threads` (a concurrent plan) have
+wins (a call of DROP_FROM_SECONDS or more over DROP_SLOWER_THAN times the fastest after a round is
+not timed again). Timing expected to take over NOTICE_SECONDS is announced once per process on
+stderr. Products run on the single-threaded workers of `kernels.threads` (a concurrent plan) have
 shape classes of their own ("linear@worker"), measured there: one thread favours other kernels than
 two. Workers that meet a new class together may each measure it; the first choice stored is the one
 every caller uses. The choice is kept for the rest of the process and never revised, so two
@@ -57,10 +58,12 @@ _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.floa
 # calls of seconds (a layer's plan): one timing on a shared machine picks at random between candidates
 # 5% apart
 _ROUNDS = 3
-# after a round, a candidate this much slower than the fastest is timed no more: a gap this wide is not
-# the machine's noise, and at a layer's size a candidate costs seconds a call (the README's example
-# layer on a 2-core AMD EPYC: the grouped GEMM 3.6 s against the per-expert plan's 2.7 s)
+# after a round, a candidate this much slower than the fastest is timed no more, if its call takes at
+# least DROP_FROM_SECONDS: at that length a gap this wide is not the machine's noise, and at a layer's
+# size a candidate costs seconds a call (the README's example layer on a 2-core AMD EPYC: the grouped
+# GEMM 3.6 s against the per-expert plan's 2.7 s); shorter calls are cheap to time every round
 DROP_SLOWER_THAN = 1.25
+DROP_FROM_SECONDS = 0.1
 NOTICE_SECONDS = 10.0  # measuring expected to take longer than this is announced (once per process)
 _noticed = False
 _log = logging.getLogger(__name__)
@@ -149,9 +152,9 @@ def _measure(runs: dict) -> str:
     """The name in `runs` whose call took the least time: each called once to warm up, then alternately;
     after each round, candidates over DROP_SLOWER_THAN times the fastest so far are timed no more."""
     started = time.perf_counter()
-    for run in runs.values():
+    for done, run in enumerate(runs.values(), 1):
         run()
-        _notice(started, len(runs))
+        _notice((time.perf_counter() - started) / done * len(runs) * (_ROUNDS + 1))
     best = dict.fromkeys(runs, float("inf"))
     timed = dict(runs)
     for _ in range(_ROUNDS):
@@ -160,15 +163,16 @@ def _measure(runs: dict) -> str:
             run()
             best[name] = min(best[name], time.perf_counter() - start)
         fastest = min(best.values())
-        timed = {name: run for name, run in timed.items() if best[name] <= DROP_SLOWER_THAN * fastest}
+        timed = {name: run for name, run in timed.items()
+                 if best[name] <= DROP_SLOWER_THAN * fastest or best[name] < DROP_FROM_SECONDS}
     return min(runs, key=lambda name: best[name])  # ties: the first listed
 
 
-def _notice(started: float, candidates: int) -> None:
+def _notice(expected_seconds: float) -> None:
     """Say once per process, on stderr (logging's warning), that a first call is slow because it is timing
-    candidates: at most NOTICE_SECONDS of measuring pass unannounced."""
+    candidates: measuring expected to take at most NOTICE_SECONDS passes unannounced."""
     global _noticed
-    if _noticed or (time.perf_counter() - started) * candidates * (_ROUNDS + 1) < NOTICE_SECONDS:
+    if _noticed or expected_seconds < NOTICE_SECONDS:
         return
     _noticed = True
     _log.warning("exactmoe: timing the CPU products and expert plans for a new layer shape; this first call takes "

@@ -37,7 +37,7 @@ import sys
 from dataclasses import dataclass, field
 
 from recipes import gpt, runner
-from recipes.cli import fail, flag_parser
+from recipes.cli import fail, flag_names, flag_parser
 from recipes.compare_dense_moe import stdlib_corpus
 from recipes.gpt_model import GPT
 
@@ -145,7 +145,6 @@ def summarise(cfg: AblateConfig, name: str, results: list[dict]) -> dict:
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = flag_parser(AblateConfig, __doc__)
     parser.prog = "recipes.ablate"
-    parser.allow_abbrev = False  # a recipes.gpt flag that prefixes one of ours must pass through, not match it
     names, extra = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
     cfg = AblateConfig(**vars(names))
     for flag in ("--seed", "--run-name", "--resume", "--checkpoint-dir"):
@@ -193,7 +192,7 @@ def check_run(name: str, argv_run: list[str]) -> None:
     try:
         GPT(gpt.model_config(run_cfg))
     except (TypeError, ValueError) as error:
-        fail(gpt_parser, str(error))
+        fail(gpt_parser, flag_names(str(error), gpt.TrainConfig))
 
 
 def _cell(values: list[float], digits: int, percent: bool = False) -> str:

@@ -31,7 +31,7 @@ from torch import nn
 from moe import MoE, split_params_into_different_moe_groups_for_optimizer
 from optim import initialize
 from recipes import runner
-from recipes.cli import (engine_config, fail, keep_last_field, noisy_gate_policy, noisy_gate_policy_field,
+from recipes.cli import (built, engine_config, fail, keep_last_field, noisy_gate_policy, noisy_gate_policy_field,
                          resume_field, start_over_field)
 from recipes.training import Progress, SetupError, all_sum, prune_checkpoints
 
@@ -255,7 +255,7 @@ def train(cfg: CifarConfig, given: set[str], rank: int, world: int) -> dict:
     if cfg.test_size:
         test_x, test_y = test_x[:cfg.test_size], test_y[:cfg.test_size]
     try:  # bad model or engine settings stop with one line
-        model = Net(cfg)
+        model = built(lambda: Net(cfg), CifarConfig)
         params = split_params_into_different_moe_groups_for_optimizer(
             {"params": list(model.parameters()), "name": "parameters"}) if cfg.moe_param_group else None
         engine, *_ = initialize(model, model_parameters=params,

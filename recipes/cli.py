@@ -75,13 +75,23 @@ def flag_parser(config_class, description: str) -> argparse.ArgumentParser:
 
 def flag_names(message: str, config_class) -> str:
     """`message` with the config's field names written as their flags ("capacity_factor" -> "--capacity-factor"):
-    the layers below a recipe name their Python arguments, the user wrote flags. Only names with an
-    underscore are rewritten, so that plain words (dense, routing) stay words."""
+    the model's layers name their Python arguments, the user wrote flags. Only names with an underscore
+    are rewritten (plain words such as dense or routing stay words), and not inside paths or
+    attribute names. For the model's own errors only: engine-config errors name JSON keys."""
     names = sorted((f.name for f in dataclasses.fields(config_class) if "_" in f.name), key=len, reverse=True)
     if not names:
         return message
-    pattern = re.compile(r"(?<![\w-])(" + "|".join(map(re.escape, names)) + r")(?![\w-])")
+    pattern = re.compile(r"(?<![\w\-/.\\'\"])(" + "|".join(map(re.escape, names)) + r")(?![\w\-/\\]|\.\w)")
     return pattern.sub(lambda match: "--" + match.group(1).replace("_", "-"), message)
+
+
+def built(make, config_class):
+    """make(), a model built from the flags; its ValueError or TypeError (a bad setting the layers
+    caught) is re-raised as ValueError naming the flags (`flag_names`)."""
+    try:
+        return make()
+    except (TypeError, ValueError) as error:
+        raise ValueError(flag_names(str(error), config_class)) from None
 
 
 def given_flags(parser: argparse.ArgumentParser, argv: list[str] | None) -> set[str]:

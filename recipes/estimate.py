@@ -32,7 +32,7 @@ from moe import split_params_into_different_moe_groups_for_optimizer
 from optim import initialize
 from optim.memory import LiveBytes
 from recipes import gpt
-from recipes.cli import engine_config, fail, flag_parser
+from recipes.cli import engine_config, fail, flag_names, flag_parser
 from recipes.gpt_model import GPT
 from recipes.simulated import META, simulated_world
 
@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> dict:
     try:
         gpt.model_config(_train_config(cfg))
     except ValueError as error:
-        fail(parser, str(error))
+        fail(parser, flag_names(str(error), EstimateConfig))
     start = time.perf_counter()
     try:
         result = estimate(cfg)

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from moe import split_params_into_different_moe_groups_for_optimizer
 from optim import initialize, read_client_state
 from recipes import runner
-from recipes.cli import (engine_config, fail, flag_names, flag_parser, keep_last_field, noisy_gate_policy,
+from recipes.cli import (built, engine_config, fail, flag_names, flag_parser, keep_last_field, noisy_gate_policy,
                          noisy_gate_policy_field, resume_field, saved_recipe, start_over_field)
 from recipes.gpt_model import GPT, GPTConfig
 from recipes.training import Progress, SetupError, all_sum, prune_checkpoints
@@ -228,7 +228,7 @@ def train(cfg: TrainConfig, given: set[str], rank: int, world: int) -> dict:
     try:  # bad data, model or engine settings stop with one line
         data = load_text(cfg.data)
         train_tokens, val_tokens = split_tokens(data, cfg.val_fraction, cfg.seq_len)
-        model = GPT(model_config(cfg))
+        model = built(lambda: GPT(model_config(cfg)), TrainConfig)
         total_params, active_params = model.parameter_counts()  # before stage 3 shards the parameters
         if cfg.compile:  # in place, before the engine wraps it: parameter names, so checkpoints, stay the same
             model.compile()
@@ -290,10 +290,13 @@ def train(cfg: TrainConfig, given: set[str], rank: int, world: int) -> dict:
 
 def check(parser, cfg: TrainConfig, world: int) -> None:
     """The GPT recipe's own flag checks (the runner checks the shared ones); one line on error."""
-    if not cfg.dense and cfg.num_experts % cfg.ep_world_size:
-        fail(parser, f"--num-experts ({cfg.num_experts}) must be divisible by --ep-world-size ({cfg.ep_world_size})")
+    for name in ("steps", "batch_size", "seq_len", "eval_interval", "eval_batches", "log_interval", "n_layer"):
+        if getattr(cfg, name) < 1:
+            fail(parser, f"--{name.replace('_', '-')} must be at least 1, got {getattr(cfg, name)}")
     if not cfg.dense and cfg.num_experts < 1:
         fail(parser, f"--num-experts must be at least 1, got {cfg.num_experts}")
+    if not cfg.dense and cfg.num_experts % cfg.ep_world_size:
+        fail(parser, f"--num-experts ({cfg.num_experts}) must be divisible by --ep-world-size ({cfg.ep_world_size})")
     if not cfg.dense and not 1 <= cfg.top_k <= cfg.num_experts:
         fail(parser, f"--top-k ({cfg.top_k}) must be between 1 and --num-experts ({cfg.num_experts})")
     if not cfg.dense and not 1 <= cfg.moe_every <= cfg.n_layer:
@@ -303,9 +306,6 @@ def check(parser, cfg: TrainConfig, world: int) -> None:
         fail(parser, f"--data {cfg.data} does not exist (a text file, a folder of them, or empty for CPython's docs)")
     if cfg.dense and cfg.ep_world_size > 1:
         fail(parser, f"--dense has no experts to spread: use --ep-world-size 1, got {cfg.ep_world_size}")
-    for name in ("steps", "batch_size", "seq_len", "eval_interval", "eval_batches", "log_interval", "n_layer"):
-        if getattr(cfg, name) < 1:
-            fail(parser, f"--{name.replace('_', '-')} must be at least 1, got {getattr(cfg, name)}")
     for name in ("checkpoint_interval", "warmup_steps"):
         if getattr(cfg, name) < 0:
             fail(parser, f"--{name.replace('_', '-')} must be 0 or more, got {getattr(cfg, name)}")

@@ -18,7 +18,7 @@ from typing import Callable
 import torch.distributed as dist
 
 from parallel import init_distributed
-from recipes.cli import fail, flag_names, flag_parser, parse_config
+from recipes.cli import fail, flag_parser, parse_config
 from recipes.training import SetupError, claim_for_run, release_checkpoint_dir
 
 
@@ -85,7 +85,7 @@ def main(recipe: Recipe, argv: list[str] | None = None) -> dict:
         if dist.is_initialized():
             dist.barrier()  # no rank tears its group down while a peer's last exchange is in flight
     except SetupError as error:
-        fail(parser, flag_names(str(error), recipe.config_class))
+        fail(parser, str(error))
     except FloatingPointError as error:  # the engine's non-finite guard: one line, exit status 1
         parser.exit(1, f"{parser.prog}: stopped: {error}\n")
     finally:

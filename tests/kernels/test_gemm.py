@@ -358,23 +358,27 @@ class _Clock:
         return call
 
 
-def test_a_candidate_far_slower_after_a_round_is_timed_no_more(monkeypatch):
+def test_a_long_candidate_far_slower_after_a_round_is_timed_no_more(monkeypatch):
     clock, calls = _Clock(), []
     monkeypatch.setattr(gemm.time, "perf_counter", clock)
+    monkeypatch.setattr(gemm, "_noticed", True)  # (12 s of timing would announce itself)
     runs = {"fast": clock.run(1.0, calls, "fast"), "close": clock.run(1.1, calls, "close"),
             "slow": clock.run(1.3, calls, "slow")}  # 1.3 > DROP_SLOWER_THAN = 1.25 times the fastest
     assert gemm._measure(runs) == "fast"
     assert calls.count("fast") == calls.count("close") == 1 + gemm._ROUNDS  # warm-up, then every round
     assert calls.count("slow") == 2  # warm-up and the first round
+    calls.clear()  # short calls are timed every round whatever their gap: one round's noise can be that large
+    short = {name: clock.run(seconds, calls, name) for name, seconds in (("fast", 0.01), ("slow", 0.02))}
+    assert gemm._measure(short) == "fast" and calls.count("slow") == 1 + gemm._ROUNDS
 
 
 def test_a_long_measurement_is_announced_once_per_process(monkeypatch, caplog):
     clock, calls = _Clock(), []
     monkeypatch.setattr(gemm.time, "perf_counter", clock)
     monkeypatch.setattr(gemm, "_noticed", False)
-    quick = {name: clock.run(0.1, calls, name) for name in ("a", "b")}  # 2 x 4 calls of 0.1 s: under NOTICE_SECONDS
+    quick = {name: clock.run(seconds, calls, name) for name, seconds in (("a", 0.5), ("b", 1.5))}  # 8 s in all
     with caplog.at_level("WARNING", logger="kernels.gemm"):
-        gemm._measure(quick)
+        gemm._measure(quick)  # projected from the calls so far, not the first call times all: under NOTICE_SECONDS
         assert caplog.records == []
         slow = {name: clock.run(2.0, calls, name) for name in ("a", "b")}  # about 16 s
         gemm._measure(slow)

@@ -86,7 +86,8 @@ def test_tail_mean_takes_the_last_tenth_of_steps():
     (["--top-k", "9"], r"--top-k \(9\) must be between 1 and --num-experts \(8\)"),
     (["--variants", "expert_choice", "--load-balancing-type", "seq_aux_loss"],
      "variant expert_choice: recipes.gpt: error: routing='expert_choice'"),
-    (["--variants", "dense", "--n-embd", "30", "--n-head", "4"], r"--n-embd \(30\) must be divisible by --n-head \(4\)"),
+    (["--variants", "dense", "--n-embd", "30", "--n-head", "4"],
+     r"--n-embd \(30\) must be divisible by --n-head \(4\)"),
     (["--variants", "dense", "--seed", "3"], r"--seed is set per run by recipes.ablate \(use --seeds\)"),
 ])
 def test_bad_flags_stop_with_one_line_before_training(argv, message, tmp_path, capsys):

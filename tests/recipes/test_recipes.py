@@ -207,12 +207,14 @@ def test_cifar_under_torchrun_with_expert_parallelism(tmp_path):
     (gpt, ["--ep-world-size", "0"], r"--ep-world-size must be at least 1, got 0"),
     (gpt, ["--num-experts", "0"], r"--num-experts must be at least 1, got 0"),
     (gpt, ["--moe-every", "0"], r"--moe-every \(0\) must be between 1 and --n-layer \(4\)"),
+    (gpt, ["--n-layer", "0"], r"--n-layer must be at least 1, got 0"),
     (gpt, ["--moe-every", "5"], r"--moe-every \(5\) must be between 1 and --n-layer \(4\)"),
     (gpt, ["--data", "/nonexistent"], r"--data /nonexistent does not exist"),
     (gpt, ["--topk", "2"], r"unrecognized arguments: --topk 2"),  # no prefix of --topk-group
     (gpt, ["--steps", "1", "--capacity-factor", "-1"], r"^recipes.gpt: error: --capacity-factor must be a number > 0"),
     (gpt, ["--steps", "1", "--n-group", "3", "--topk-group", "1"], r"--n-group \(3\) must divide --num-experts \(8\)"),
     (cifar, ["--moe", "--ep-world-size", "0"], r"--ep-world-size must be at least 1, got 0"),
+    (cifar, ["--moe", "--epochs", "1", "--capacity-factor", "-1"], r"^recipes.cifar: error: --capacity-factor must be"),
     (gpt, ["--resume"], r"--resume needs --checkpoint-dir"),
     (cifar, ["--resume", "--checkpoint-dir", "/nonexistent"],
      r"--resume: --checkpoint-dir /nonexistent holds no checkpoint \(no file 'latest'\); leave out --resume .*--resume auto"),
@@ -516,3 +518,12 @@ def test_the_readme_lists_every_gpt_flag():
     flags = {"--" + field.name.replace("_", "-") for field in dataclasses.fields(gpt.TrainConfig)}
     assert flags - listed == set()
     assert listed - flags == {"--topk", "--help"}  # the prefix the text warns about, and --help
+
+
+def test_flag_names_rewrites_field_names_but_not_paths_attributes_or_quoted_keys():
+    from recipes.cli import flag_names
+
+    assert flag_names("n_embd (30) must be divisible by n_head (4).", gpt.TrainConfig) == \
+        "--n-embd (30) must be divisible by --n-head (4)."
+    for untouched in ("/data/log_dir/run_name/x", "cfg.top_k", "'top_k'", "routing must be ...", "top_kx"):
+        assert flag_names(untouched, gpt.TrainConfig) == untouched

@@ -62,7 +62,8 @@ def _cfg(argv):
     (["--n-group", "3", "--topk-group", "1"], r"--n-group \(3\) must divide --num-experts \(4\)"),
     (["--routing", "expert_choice", "--dropless"], r"dropless must be False"),
     (["--scoring-func", "tanh"], r"argument --scoring-func: invalid choice: 'tanh'"),
-    (["--n-group", "2", "--topk-group", "1", "--top-k", "3"], r"--topk-group \* \(--num-experts / --n-group\) = 1 \* 2"),
+    (["--n-group", "2", "--topk-group", "1", "--top-k", "3"],
+     r"--topk-group \* \(--num-experts / --n-group\) = 1 \* 2"),
 ])
 def test_a_bad_routing_combination_stops_with_one_line(argv, message, capsys):
     with pytest.raises(SystemExit) as stop:
