@@ -40,6 +40,7 @@ import threading
 import time
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from kernels import threads
@@ -169,12 +170,15 @@ def _measure(runs: dict) -> str:
 
 
 def _notice(expected_seconds: float) -> None:
-    """Say once per process, on stderr (logging's warning), that a first call is slow because it is timing
-    candidates: measuring expected to take at most NOTICE_SECONDS passes unannounced."""
+    """Say once per process (rank 0 only, under torch.distributed), on stderr (logging's warning), that a first
+    call is slow because it is timing candidates: measuring expected to take at most NOTICE_SECONDS passes
+    unannounced."""
     global _noticed
     if _noticed or expected_seconds < NOTICE_SECONDS:
         return
     _noticed = True
+    if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:  # one line per job, not per rank
+        return
     _log.warning("exactmoe: timing the CPU products and expert plans for a new layer shape; this first call takes "
                  "several times a normal one, once per shape class and process (MOE_CPU_GEMM_CACHE=<file.json> "
                  "keeps the choices for later runs, MOE_CPU_GEMM=blas skips the timing; see kernels.gemm)")

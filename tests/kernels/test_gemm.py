@@ -384,3 +384,12 @@ def test_a_long_measurement_is_announced_once_per_process(monkeypatch, caplog):
         gemm._measure(slow)
         gemm._measure(slow)
     assert len(caplog.records) == 1 and "MOE_CPU_GEMM_CACHE" in caplog.records[0].getMessage()
+
+
+def test_only_rank_0_announces_a_long_measurement(monkeypatch, caplog):
+    monkeypatch.setattr(gemm, "_noticed", False)
+    monkeypatch.setattr(gemm.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(gemm.dist, "get_rank", lambda: 1)
+    with caplog.at_level("WARNING", logger="kernels.gemm"):
+        gemm._notice(60.0)
+    assert caplog.records == []
