@@ -135,7 +135,7 @@ def main(argv=None) -> dict:
     steps = args.steps
     if steps < 1 or warmup < 0:
         parser.error(f"--steps must be at least 1 and --warmup at least 0, got {steps} and {warmup}")
-    base = gpt.TrainConfig(**{**vars(args), "steps": steps})
+    base = gpt.TrainConfig(**vars(args))
     tokens, _ = gpt.split_tokens(gpt.load_text(base.data), base.val_fraction, base.seq_len)
     logs = tempfile.TemporaryDirectory(prefix="bench_gpt-")  # TensorBoard writes here, as the recipe writes to runs/
     runs = {name: gpt.TrainConfig(**{**vars(base), "dense": name == "dense", "log_dir": logs.name, "run_name": name})

@@ -32,8 +32,8 @@ from moe import MoE, split_params_into_different_moe_groups_for_optimizer
 from optim import initialize
 from recipes import runner
 from recipes.cli import (built, engine_config, fail, keep_last_field, noisy_gate_policy, noisy_gate_policy_field,
-                         resume_field, start_over_field)
-from recipes.training import Progress, SetupError, all_sum, prune_checkpoints
+                         require_at_least, resume_field, start_over_field)
+from recipes.training import Progress, SetupError, all_sum, prune_checkpoints, resumed_line
 
 CLASSES = ("plane", "car", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck")
 MEAN, STD = torch.tensor([0.4914, 0.4822, 0.4465]), torch.tensor([0.2470, 0.2435, 0.2616])
@@ -262,17 +262,14 @@ def train(cfg: CifarConfig, given: set[str], rank: int, world: int) -> dict:
                                 config=engine_config(engine_fragments(cfg), given, cfg.config))
     except (OSError, ValueError) as error:
         raise SetupError(str(error)) from None
-    first_epoch = 0
-    resumed = ""
+    first_epoch, path = 0, None
     if cfg.resume:
         path, client = engine.load_checkpoint(cfg.checkpoint_dir)
         first_epoch = client["epoch"]
-        resumed = f"resumed from {path} after epoch {first_epoch}" + (
-            f"; --epochs {cfg.epochs} are done: nothing to train" if first_epoch >= cfg.epochs else "")
     steps_per_epoch = len(train_x) // (cfg.batch_size * world)
     progress = Progress(cfg.epochs * steps_per_epoch, engine.global_steps, cfg.batch_size * world, "img", rank == 0)
-    if resumed:
-        progress.message(resumed)
+    if path:
+        progress.message(resumed_line(path, "after epoch", first_epoch, "--epochs", cfg.epochs))
     progress.message(f"{len(train_x):,} training and {len(test_x):,} test images; {world} process(es), "
                      f"ep {cfg.ep_world_size}, ZeRO stage {engine.stage}, {cfg.dtype}, {steps_per_epoch} steps per epoch")
     history = []
@@ -322,9 +319,7 @@ def check(parser, cfg: CifarConfig, world: int) -> None:
                 fail(parser, f"--top-k ({cfg.top_k}) must be between 1 and --num-experts ({n})")
     elif cfg.ep_world_size > 1:
         fail(parser, f"--ep-world-size {cfg.ep_world_size} needs --moe (there are no experts to spread)")
-    for name in ("epochs", "batch_size", "log_interval"):
-        if getattr(cfg, name) < 1:
-            fail(parser, f"--{name.replace('_', '-')} must be at least 1, got {getattr(cfg, name)}")
+    require_at_least(parser, cfg, ("epochs", "batch_size", "log_interval"))
 
 
 RECIPE = runner.Recipe(prog="recipes.cifar", config_class=CifarConfig, description=__doc__, check=check,

@@ -9,6 +9,7 @@ import argparse
 import copy
 import dataclasses
 import json
+import math
 import os
 import re
 import sys
@@ -170,6 +171,21 @@ def _latest(folder: str) -> str:
 def fail(parser: argparse.ArgumentParser, message: str):
     """Stop with one line naming the problem (no usage block, no traceback); exit status 2."""
     parser.exit(2, f"{parser.prog}: error: {message}\n")
+
+
+def require_at_least(parser: argparse.ArgumentParser, cfg, names: tuple[str, ...], least: int = 1) -> None:
+    """Stop with one line at the first field in `names` below `least`, named as its flag."""
+    for name in names:
+        if getattr(cfg, name) < least:
+            bound = "0 or more" if least == 0 else f"at least {least}"
+            fail(parser, f"--{name.replace('_', '-')} must be {bound}, got {getattr(cfg, name)}")
+
+
+def require_positive(parser: argparse.ArgumentParser, cfg, names: tuple[str, ...]) -> None:
+    """Stop with one line at the first field in `names` that is not a positive finite number."""
+    for name in names:
+        if not (math.isfinite(getattr(cfg, name)) and getattr(cfg, name) > 0):
+            fail(parser, f"--{name.replace('_', '-')} must be a positive finite number, got {getattr(cfg, name)}")
 
 
 def merge(base: dict, override: dict) -> dict:

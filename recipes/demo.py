@@ -17,7 +17,6 @@ experts / e experts and tokens reach them by all-to-all. Training goes through t
 prints the tokens its experts received.
 """
 
-import math
 import time
 from dataclasses import asdict, dataclass
 
@@ -28,7 +27,7 @@ from torch import nn
 from moe import MoE, split_params_into_different_moe_groups_for_optimizer
 from optim import initialize
 from parallel import init_distributed
-from recipes.cli import flag_parser
+from recipes.cli import flag_parser, require_at_least, require_positive
 
 
 @dataclass(kw_only=True)
@@ -120,14 +119,11 @@ def train(cfg: DemoConfig, dense: bool, rank: int = 0, world: int = 1) -> float:
 def main(argv=None) -> dict:
     parser = flag_parser(DemoConfig, __doc__)
     cfg = DemoConfig(**vars(parser.parse_args(argv)))
-    for name in ("steps", "batch", "hidden", "ffn", "experts", "k", "clusters", "log_interval", "ep_world_size"):
-        if getattr(cfg, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(cfg, name)}")
+    require_at_least(parser, cfg, ("steps", "batch", "hidden", "ffn", "experts", "k", "clusters", "log_interval",
+                                   "ep_world_size"))
     if cfg.k > cfg.experts:
         parser.error(f"--k ({cfg.k}) must be at most --experts ({cfg.experts})")
-    for name in ("capacity_factor", "lr"):
-        if not (math.isfinite(getattr(cfg, name)) and getattr(cfg, name) > 0):
-            parser.error(f"--{name.replace('_', '-')} must be a positive finite number, got {getattr(cfg, name)}")
+    require_positive(parser, cfg, ("capacity_factor", "lr"))
     rank, world = init_distributed()
     if world % cfg.ep_world_size or cfg.experts % cfg.ep_world_size:
         parser.error(f"--ep-world-size ({cfg.ep_world_size}) must divide the number of processes ({world}) "

@@ -32,7 +32,7 @@ from moe import split_params_into_different_moe_groups_for_optimizer
 from optim import initialize
 from optim.memory import LiveBytes
 from recipes import gpt
-from recipes.cli import engine_config, fail, flag_names, flag_parser
+from recipes.cli import engine_config, fail, flag_names, flag_parser, require_at_least
 from recipes.gpt_model import GPT
 from recipes.simulated import META, simulated_world
 
@@ -145,9 +145,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser = flag_parser(EstimateConfig, __doc__)
     parser.prog = "recipes.estimate"
     cfg = EstimateConfig(**vars(parser.parse_args(sys.argv[1:] if argv is None else argv)))
-    for name in ("world_size", "ep_world_size", "micro_batch", "seq_len", "n_layer", "num_experts"):
-        if getattr(cfg, name) < 1:
-            fail(parser, f"--{name.replace('_', '-')} must be at least 1, got {getattr(cfg, name)}")
+    require_at_least(parser, cfg, ("world_size", "ep_world_size", "micro_batch", "seq_len", "n_layer", "num_experts"))
     if not cfg.gpu_memory_gb > 0:
         fail(parser, f"--gpu-memory-gb must be > 0, got {cfg.gpu_memory_gb}")
     if cfg.world_size % cfg.ep_world_size:

@@ -32,9 +32,10 @@ from moe import split_params_into_different_moe_groups_for_optimizer
 from optim import initialize, read_client_state
 from recipes import runner
 from recipes.cli import (built, engine_config, fail, flag_names, flag_parser, keep_last_field, noisy_gate_policy,
-                         noisy_gate_policy_field, resume_field, saved_recipe, start_over_field)
+                         noisy_gate_policy_field, require_at_least, require_positive, resume_field, saved_recipe,
+                         start_over_field)
 from recipes.gpt_model import GPT, GPTConfig
-from recipes.training import Progress, SetupError, all_sum, prune_checkpoints
+from recipes.training import Progress, SetupError, all_sum, prune_checkpoints, resumed_line
 
 
 @dataclass(kw_only=True)
@@ -239,17 +240,14 @@ def train(cfg: TrainConfig, given: set[str], rank: int, world: int) -> dict:
     except (OSError, ValueError) as error:
         raise SetupError(str(error)) from None
     unigram = unigram_baseline(train_tokens, val_tokens)
-    first_step = 0
-    resumed = ""
+    first_step, path = 0, None
     if cfg.resume:
         path, _ = engine.load_checkpoint(cfg.checkpoint_dir)
         first_step = engine.global_steps
-        resumed = f"resumed from {path} at step {first_step}" + (
-            f"; --steps {cfg.steps} are done: nothing to train" if first_step >= cfg.steps else "")
     tokens_per_step = cfg.batch_size * cfg.seq_len * engine.accumulation * world
     progress = Progress(cfg.steps, first_step, tokens_per_step, enabled=rank == 0)
-    if resumed:
-        progress.message(resumed)
+    if path:
+        progress.message(resumed_line(path, "at step", first_step, "--steps", cfg.steps))
     progress.message(f"data: {len(data):,} bytes ({len(train_tokens):,} train, {len(val_tokens):,} validation); "
                      f"unigram baseline {unigram:.4f} nats/byte")
     progress.message(f"model: {'dense' if cfg.dense else 'MoE'}, {total_params:,} parameters, {active_params:,} active "
@@ -290,9 +288,8 @@ def train(cfg: TrainConfig, given: set[str], rank: int, world: int) -> dict:
 
 def check(parser, cfg: TrainConfig, world: int) -> None:
     """The GPT recipe's own flag checks (the runner checks the shared ones); one line on error."""
-    for name in ("steps", "batch_size", "seq_len", "eval_interval", "eval_batches", "log_interval", "n_layer"):
-        if getattr(cfg, name) < 1:
-            fail(parser, f"--{name.replace('_', '-')} must be at least 1, got {getattr(cfg, name)}")
+    require_at_least(parser, cfg, ("steps", "batch_size", "seq_len", "eval_interval", "eval_batches", "log_interval",
+                                   "n_layer"))
     if not cfg.dense and cfg.num_experts < 1:
         fail(parser, f"--num-experts must be at least 1, got {cfg.num_experts}")
     if not cfg.dense and cfg.num_experts % cfg.ep_world_size:
@@ -306,11 +303,8 @@ def check(parser, cfg: TrainConfig, world: int) -> None:
         fail(parser, f"--data {cfg.data} does not exist (a text file, a folder of them, or empty for CPython's docs)")
     if cfg.dense and cfg.ep_world_size > 1:
         fail(parser, f"--dense has no experts to spread: use --ep-world-size 1, got {cfg.ep_world_size}")
-    for name in ("checkpoint_interval", "warmup_steps"):
-        if getattr(cfg, name) < 0:
-            fail(parser, f"--{name.replace('_', '-')} must be 0 or more, got {getattr(cfg, name)}")
-    if not (math.isfinite(cfg.lr) and cfg.lr > 0):
-        fail(parser, f"--lr must be a positive finite number, got {cfg.lr}")
+    require_at_least(parser, cfg, ("checkpoint_interval", "warmup_steps"), 0)
+    require_positive(parser, cfg, ("lr",))
     if not 0 < cfg.val_fraction < 1:
         fail(parser, f"--val-fraction must be between 0 and 1, got {cfg.val_fraction}")
     try:

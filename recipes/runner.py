@@ -18,7 +18,7 @@ from typing import Callable
 import torch.distributed as dist
 
 from parallel import init_distributed
-from recipes.cli import fail, flag_parser, parse_config
+from recipes.cli import fail, flag_parser, parse_config, require_at_least
 from recipes.training import SetupError, claim_for_run, release_checkpoint_dir
 
 
@@ -60,8 +60,7 @@ def checked_config(recipe: Recipe, parser: argparse.ArgumentParser, argv: list[s
         fail(parser, f"--keep-last must be 0 (keep all) or more, got {cfg.keep_last}")
     if not cfg.run_name:
         cfg.run_name = f"{recipe.run_label(cfg)}-{time.strftime('%Y%m%d-%H%M%S')}"
-    if cfg.ep_world_size < 1:
-        fail(parser, f"--ep-world-size must be at least 1, got {cfg.ep_world_size}")
+    require_at_least(parser, cfg, ("ep_world_size",))
     if world % cfg.ep_world_size:
         fail(parser, f"--ep-world-size ({cfg.ep_world_size}) must divide the number of processes ({world})")
     if cfg.config and not os.path.isfile(cfg.config):

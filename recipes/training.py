@@ -98,6 +98,12 @@ class Progress:
             print(("\n" if self.live else "") + text, flush=True)
 
 
+def resumed_line(path: str, where: str, done: int, flag: str, end: int) -> str:
+    """The line a resumed run prints: its checkpoint and where it stands ("at step 20", "after epoch 1"),
+    and that nothing is left to train when `done` has reached the run's `end` (the value of `flag`)."""
+    return f"resumed from {path} {where} {done}" + (f"; {flag} {end} are done: nothing to train" if done >= end else "")
+
+
 def cpu_name() -> str:
     """The CPU model (Linux's /proc/cpuinfo), so that a speed figure says where it was taken."""
     return gemm.cpu_model()
