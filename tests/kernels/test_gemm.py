@@ -67,13 +67,48 @@ def test_linear_tn_equals_torch(monkeypatch, backend, n):
     torch.testing.assert_close(out, expected, **FP32)
 
 
-@pytest.mark.parametrize("backend", ["blas", "onednn"])
-def test_bf16_products(monkeypatch, backend):
+@pytest.mark.parametrize("backend", ["blas", "onednn", "widened"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_products(monkeypatch, backend, dtype):
     monkeypatch.setenv("MOE_CPU_GEMM", backend)
-    x, w, b = _operands(37, 16, 24, torch.bfloat16, False)
-    expected = F.linear(x.float(), w.float(), b.float()).bfloat16()
+    x, w, b = _operands(37, 16, 24, dtype, False)
+    expected = F.linear(x.float(), w.float(), b.float()).to(dtype)
     torch.testing.assert_close(gemm.linear(x, w, b), expected, **BF16)
-    torch.testing.assert_close(gemm.linear_tn(x, x), (x.float().t() @ x.float()).bfloat16(), **BF16)
+    torch.testing.assert_close(gemm.linear_tn(x, x), (x.float().t() @ x.float()).to(dtype), **BF16)
+    out, out_tn = torch.full((37, 24), float("nan"), dtype=dtype), torch.full((16, 16), float("nan"), dtype=dtype)
+    assert gemm.linear(x, w.t().contiguous().t(), out=out) is out and gemm.linear_tn(x, x, out=out_tn) is out_tn
+    torch.testing.assert_close(out, F.linear(x.float(), w.float()).to(dtype), **BF16)
+    torch.testing.assert_close(out_tn, (x.float().t() @ x.float()).to(dtype), **BF16)
+
+
+def test_the_widened_product_sums_in_fp32_and_rounds_once(monkeypatch):
+    # each output element is the fp32 sum of exactly widened bf16 products, rounded once: within half
+    # a bf16 ulp of the float64 product, plus the fp32 sum's own rounding
+    monkeypatch.setenv("MOE_CPU_GEMM", "widened")
+    x, w, b = _operands(64, 256, 32, torch.bfloat16, False)
+    exact = F.linear(x.double(), w.double(), b.double())
+    got = gemm.linear(x, w, b)
+    assert got.dtype == torch.bfloat16
+    ulp = torch.finfo(torch.bfloat16).eps * exact.abs()  # a bf16 ulp at each value: 2^-7 of it, at most
+    assert bool(((got.double() - exact).abs() <= 0.5 * ulp + 1e-4 * exact.abs().max()).all())
+
+
+def test_half_precision_products_time_the_widened_product_and_fp32_does_not(monkeypatch):
+    measured = []
+    monkeypatch.setattr(gemm, "_measure", lambda runs: measured.append(list(runs)) or list(runs)[-1])
+    assert "widened" not in gemm.candidates(torch.float32)
+    for dtype in (torch.bfloat16, torch.float16):
+        assert gemm.candidates(dtype)[0] == "blas" and gemm.candidates(dtype)[-1] == "widened"
+        assert gemm.measuring(dtype)
+        x, w, _ = _operands(40, 24, 40, dtype, False)
+        out = gemm.linear(x, w)
+        assert out.dtype == dtype
+        torch.testing.assert_close(out, F.linear(x.float(), w.float()).to(dtype), **BF16)
+    assert measured == [list(gemm.candidates(torch.bfloat16)), list(gemm.candidates(torch.float16))]
+    assert set(gemm.choices().values()) == {"widened"}
+    monkeypatch.setenv("MOE_CPU_GEMM", "widened")  # forced where it does not run the dtype: BLAS, fp32 as before
+    x, w, b = _operands(40, 24, 40, torch.float32, False)
+    assert torch.equal(gemm.linear(x, w, b), torch.addmm(b, x, w.t()))
 
 
 def test_a_shape_class_is_measured_once_and_its_choice_kept(monkeypatch):
@@ -91,7 +126,7 @@ def test_a_shape_class_is_measured_once_and_its_choice_kept(monkeypatch):
     gemm.linear(x[:35], w)  # 35 and 40 rows: one class (up to 64)
     gemm.linear(x[:10], w)  # a new class (up to 16)
     gemm.linear(x, w.t().contiguous().t())  # a transposed weight: another class
-    assert measured == [list(gemm.BACKENDS)] * 3
+    assert measured == [list(gemm.candidates(torch.float32))] * 3
     assert sorted(gemm.choices()) == ["linear|16|24x40|float32|nn-", "linear|64|24x40|float32|nn-",
                                       "linear|64|24x40|float32|nt-"]
 
@@ -330,7 +365,7 @@ def test_adopted_choices_fill_the_classes_not_met_yet(monkeypatch):
 def test_bad_settings_are_named(monkeypatch, tmp_path):
     x, w, _ = _operands(4, 8, 8, torch.float32, False)
     monkeypatch.setenv("MOE_CPU_GEMM", "mkl")
-    with pytest.raises(ValueError, match="MOE_CPU_GEMM must be auto, blas or onednn, got 'mkl'"):
+    with pytest.raises(ValueError, match="MOE_CPU_GEMM must be auto, blas, onednn or widened, got 'mkl'"):
         gemm.linear(x, w)
     if not gemm._onednn_op(torch.float32):
         return
