@@ -22,7 +22,7 @@ Backends, all exact up to the order of the fp32 sums:
 The first time a shape class is met (N rounded up to a power of two, the widths, dtype, operand
 layouts, bias), every backend that runs its dtype (`candidates`) runs on the actual operands, alternating, and the fastest minimum time
 wins (a call of DROP_FROM_SECONDS or more over DROP_SLOWER_THAN times the fastest after a round is
-not timed again). Timing expected to take over NOTICE_SECONDS is announced once per process on
+not timed again, nor one over FIRST_SLOWER_THAN times the fastest at its first call). Timing expected to take over NOTICE_SECONDS is announced once per process on
 stderr. Products run on the single-threaded workers of `kernels.threads` (a concurrent plan) have
 shape classes of their own ("linear@worker"), measured there: one thread favours other kernels than
 two. Workers that meet a new class together may each measure it; the first choice stored is the one
@@ -30,7 +30,8 @@ every caller uses. The choice is kept for the rest of the process and never revi
 identical runs in one process multiply with the same backends and give bitwise equal results.
 Products of fewer than MEASURE_FROM multiply-adds are not measured: they take BLAS (oneDNN's call costs some 50 us, more than
 such a product, and a timing that small is noise), so small models are bitwise repeatable across
-processes too. Checkpoints record the choices and a resumed run adopts them (`adopt`). MOE_CPU_GEMM=blas,
+processes too. Half-precision products on a CPU without native half multiply-adds (oneDNN does not run
+the dtype) take the widened product, unmeasured (`candidates`). Checkpoints record the choices and a resumed run adopts them (`adopt`). MOE_CPU_GEMM=blas,
 onednn or widened forces a backend (BLAS where the forced one does not run the dtype);
 MOE_CPU_GEMM_CACHE=<file.json> keeps choices across processes (entries are kept per CPU model and
 torch version). Other devices, float64 and code being compiled use torch's
@@ -75,6 +76,14 @@ _ROUNDS = 3
 # every round
 DROP_SLOWER_THAN = 1.15
 DROP_FROM_SECONDS = 0.1
+# a candidate whose first call took over this many times the fastest first call is not timed at all
+# (a call of DROP_FROM_SECONDS or more that measured no products inside it: the first call of a layer's
+# plan times its products' backends, seconds that say nothing of the plan). First calls carry one-time
+# costs (fresh pages, oneDNN's primitives), hence a wider margin than a round's. In bf16 on a 2-core
+# AMD EPYC with AVX2 the README example's grouped plan took 153 s a call against 2.9 s for the others
+# (torch's grouped GEMM in bf16 there), and torch's bf16 weight-gradient products 9 s against 0.3 s
+FIRST_SLOWER_THAN = 2.0
+_measures_begun = 0  # measurements started so far, by any thread: tells a first call that measured inside
 NOTICE_SECONDS = 10.0  # measuring expected to take longer than this is announced (once per process)
 _noticed = False
 _log = logging.getLogger(__name__)
@@ -173,13 +182,24 @@ _LINEAR_TN = {"blas": _linear_tn_blas, "onednn": _linear_tn_onednn, "widened": _
 
 def _measure(runs: dict) -> str:
     """The name in `runs` whose call took the least time: each called once to warm up, then alternately;
-    after each round, candidates over DROP_SLOWER_THAN times the fastest so far are timed no more."""
+    after the warm-up, a candidate over FIRST_SLOWER_THAN times the fastest first call, and after each
+    round, one over DROP_SLOWER_THAN times the fastest so far, is timed no more (calls of
+    DROP_FROM_SECONDS or more; at the warm-up only calls that measured nothing inside them)."""
+    global _measures_begun
+    _measures_begun += 1
     started = time.perf_counter()
-    for done, run in enumerate(runs.values(), 1):
+    first, clean = {}, set()
+    for done, (name, run) in enumerate(runs.items(), 1):
+        begun, start = _measures_begun, time.perf_counter()
         run()
+        first[name] = time.perf_counter() - start
+        if _measures_begun == begun:  # no shape class was measured inside this call (by any thread)
+            clean.add(name)
         _notice((time.perf_counter() - started) / done * len(runs) * (_ROUNDS + 1))
-    best = dict.fromkeys(runs, float("inf"))
-    timed = dict(runs)
+    fastest_first = min(first.values())
+    slow = {name for name in clean if first[name] >= DROP_FROM_SECONDS and first[name] > FIRST_SLOWER_THAN * fastest_first}
+    best = {name: first[name] if name in slow else float("inf") for name in runs}
+    timed = {name: run for name, run in runs.items() if name not in slow}
     for _ in range(_ROUNDS):
         for name, run in timed.items():
             start = time.perf_counter()
@@ -252,11 +272,25 @@ def worth_measuring(multiply_adds: int) -> bool:
     return multiply_adds >= MEASURE_FROM
 
 
-def candidates(dtype: torch.dtype) -> tuple[str, ...]:
-    """The backends timed for CPU products of `dtype`: BLAS, oneDNN where this build and CPU run the
+def _runnable(dtype: torch.dtype) -> tuple[str, ...]:
+    """The backends that run CPU products of `dtype`: BLAS, oneDNN where this build and CPU run the
     dtype, and for bf16 and fp16 the widened fp32 product."""
     names = ("blas",) + (("onednn",) if _onednn_op(dtype) is not None else ())
     return names + (("widened",) if dtype in _WIDENED_DTYPES else ())
+
+
+def candidates(dtype: torch.dtype) -> tuple[str, ...]:
+    """The backends timed for CPU products of `dtype` (one: taken without timing).
+
+    Every backend that runs the dtype, except in half precision on a CPU where oneDNN does not run it:
+    such a CPU has no bf16 or fp16 multiply-adds, torch's own half products there are loops far slower
+    than fp32's BLAS (2-core AMD EPYC with AVX2, bf16: [2048, 512] x [512, 2048] 17.8 s with a row-major
+    weight, 0.45 s with a transposed one, against 0.08 s widened), and timing them would cost a first
+    call minutes; the widened product is taken.
+    """
+    if dtype in _WIDENED_DTYPES and _onednn_op(dtype) is None:
+        return ("widened",)
+    return _runnable(dtype)
 
 
 def measuring(dtype: torch.dtype) -> bool:
@@ -272,10 +306,12 @@ def _backend(kind: str, n: int, widths: tuple, dtype: torch.dtype, operands: tup
     `kernels.threads` the kind is the worker's ("linear@worker"): measured on one thread.
     """
     forced = _forced()
-    names = candidates(dtype)
     if forced != "auto":
-        return forced if forced in names else "blas"
-    if len(names) == 1 or not worth_measuring(multiply_adds):
+        return forced if forced in _runnable(dtype) else "blas"
+    names = candidates(dtype)
+    if len(names) == 1:
+        return names[0]
+    if not worth_measuring(multiply_adds):
         return "blas"
     if threads.on_worker():
         kind += "@worker"

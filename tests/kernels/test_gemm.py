@@ -93,23 +93,45 @@ def test_the_widened_product_sums_in_fp32_and_rounds_once(monkeypatch):
     assert bool(((got.double() - exact).abs() <= 0.5 * ulp + 1e-4 * exact.abs().max()).all())
 
 
-def test_half_precision_products_time_the_widened_product_and_fp32_does_not(monkeypatch):
+def _onednn_running(monkeypatch, half: bool):
+    """gemm's oneDNN op as on a CPU whose oneDNN runs bf16 and fp16 (a stand-in op there) or refuses them."""
+    real = gemm._onednn_op
+    stand_in = lambda x, w, b, *attrs: F.linear(x, w, b)  # noqa: E731
+    monkeypatch.setattr(gemm, "_onednn_op", lambda dtype: real(dtype) if dtype == torch.float32
+                        else stand_in if half else None)
+
+
+def test_with_native_half_products_the_widened_product_is_timed_beside_them(monkeypatch):
+    _onednn_running(monkeypatch, half=True)
     measured = []
     monkeypatch.setattr(gemm, "_measure", lambda runs: measured.append(list(runs)) or list(runs)[-1])
     assert "widened" not in gemm.candidates(torch.float32)
     for dtype in (torch.bfloat16, torch.float16):
-        assert gemm.candidates(dtype)[0] == "blas" and gemm.candidates(dtype)[-1] == "widened"
-        assert gemm.measuring(dtype)
+        assert gemm.candidates(dtype) == ("blas", "onednn", "widened") and gemm.measuring(dtype)
         x, w, _ = _operands(40, 24, 40, dtype, False)
         out = gemm.linear(x, w)
         assert out.dtype == dtype
         torch.testing.assert_close(out, F.linear(x.float(), w.float()).to(dtype), **BF16)
-    assert measured == [list(gemm.candidates(torch.bfloat16)), list(gemm.candidates(torch.float16))]
+    assert measured == [["blas", "onednn", "widened"]] * 2
     assert set(gemm.choices().values()) == {"widened"}
+
+
+def test_without_native_half_products_the_widened_product_is_taken_untimed(monkeypatch):
+    _onednn_running(monkeypatch, half=False)
+    monkeypatch.setattr(gemm, "_measure", lambda runs: pytest.fail(f"timed {list(runs)}"))
+    ran = _spy_backends(monkeypatch)
+    for dtype in (torch.bfloat16, torch.float16):
+        assert gemm.candidates(dtype) == ("widened",) and not gemm.measuring(dtype)
+        x, w, b = _operands(40, 24, 40, dtype, False)
+        torch.testing.assert_close(gemm.linear(x, w, b), F.linear(x.float(), w.float(), b.float()).to(dtype), **BF16)
+        torch.testing.assert_close(gemm.linear_tn(x, x), (x.float().t() @ x.float()).to(dtype), **BF16)
+    assert [name for _, name, _ in ran] == ["widened"] * 4 and gemm.choices() == {}
+    monkeypatch.setenv("MOE_CPU_GEMM", "blas")  # forced: torch's own product, whatever it costs
+    gemm.linear(x, w)
+    assert ran[-1][1] == "blas"
     monkeypatch.setenv("MOE_CPU_GEMM", "widened")  # forced where it does not run the dtype: BLAS, fp32 as before
     x, w, b = _operands(40, 24, 40, torch.float32, False)
-    assert torch.equal(gemm.linear(x, w, b), torch.addmm(b, x, w.t()))
-
+    assert torch.equal(gemm.linear(x, w, b), torch.addmm(b, x, w.t())) and ran[-1][1] == "blas"
 
 def test_a_shape_class_is_measured_once_and_its_choice_kept(monkeypatch):
     if not gemm.measuring(torch.float32):
@@ -405,6 +427,28 @@ def test_a_long_candidate_far_slower_after_a_round_is_timed_no_more(monkeypatch)
     calls.clear()  # short calls are timed every round whatever their gap: one round's noise can be that large
     short = {name: clock.run(seconds, calls, name) for name, seconds in (("fast", 0.01), ("slow", 0.02))}
     assert gemm._measure(short) == "fast" and calls.count("slow") == 1 + gemm._ROUNDS
+
+
+def test_a_candidate_far_slower_at_its_first_call_is_not_timed_unless_it_measured_inside(monkeypatch):
+    clock, calls = _Clock(), []
+    monkeypatch.setattr(gemm.time, "perf_counter", clock)
+    monkeypatch.setattr(gemm, "_noticed", True)
+    runs = {"fast": clock.run(1.0, calls, "fast"), "slow": clock.run(2.5, calls, "slow"),
+            "close": clock.run(1.9, calls, "close")}
+    assert gemm._measure(runs) == "fast"
+    assert calls.count("slow") == 1  # its first call only: over FIRST_SLOWER_THAN = 2 times the fastest first call
+    assert calls.count("close") == 2  # within 2x at first, then over DROP_SLOWER_THAN after the first round
+    assert calls.count("fast") == 1 + gemm._ROUNDS
+
+    def plan():  # a layer's plan: its first call times its products' backends (40 s of the clock) first
+        calls.append("plan")
+        if calls.count("plan") == 1:
+            gemm._measure({"a": clock.run(5.0, calls, "a"), "b": clock.run(5.5, calls, "b")})
+        clock.now += 1.0
+
+    calls.clear()
+    assert gemm._measure({"other": clock.run(1.1, calls, "other"), "plan": plan}) == "plan"
+    assert calls.count("plan") == calls.count("other") == 1 + gemm._ROUNDS
 
 
 def test_a_long_measurement_is_announced_once_per_process(monkeypatch, caplog):
