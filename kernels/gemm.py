@@ -39,6 +39,7 @@ own products.
 """
 
 import functools
+import itertools
 import json
 import logging
 import os
@@ -51,10 +52,13 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from torch._subclasses.fake_tensor import is_fake
+from torch.utils._python_dispatch import _disable_current_modes
+
 from kernels import threads
 
 __all__ = ["BACKENDS", "MEASURE_FROM", "PIECE_ROWS", "adopt", "by_rows_class", "candidates", "choices", "choose",
-           "class_rows", "clear",
+           "class_rows", "clear", "widened_only",
            "cpu_model", "kept", "linear", "linear_function", "linear_tn", "linear_tn_function", "measuring", "shape_key",
            "worth_measuring"]
 
@@ -79,11 +83,13 @@ DROP_FROM_SECONDS = 0.1
 # a candidate whose first call took over this many times the fastest first call is not timed at all
 # (a call of DROP_FROM_SECONDS or more that measured no products inside it: the first call of a layer's
 # plan times its products' backends, seconds that say nothing of the plan). First calls carry one-time
-# costs (fresh pages, oneDNN's primitives), hence a wider margin than a round's. In bf16 on a 2-core
-# AMD EPYC with AVX2 the README example's grouped plan took 153 s a call against 2.9 s for the others
-# (torch's grouped GEMM in bf16 there), and torch's bf16 weight-gradient products 9 s against 0.3 s
-FIRST_SLOWER_THAN = 2.0
-_measures_begun = 0  # measurements started so far, by any thread: tells a first call that measured inside
+# costs (fresh pages, worker threads starting, oneDNN's primitives) and a shared machine may stall one,
+# hence a margin far wider than a round's; what it spares are candidates slower by orders of magnitude,
+# such as torch's half-precision loops where they are timed (on a 2-core AMD EPYC with AVX2, where they
+# are no longer timed: bf16 input-gradient products 9-18 s a call against 0.04-0.08 s widened, and the
+# layer's grouped plan 153 s against 2.9 s, each called twice before this rule)
+FIRST_SLOWER_THAN = 4.0
+_tickets = itertools.count()  # one number per measurement begun and per first call, on any thread (atomic)
 NOTICE_SECONDS = 10.0  # measuring expected to take longer than this is announced (once per process)
 _noticed = False
 _log = logging.getLogger(__name__)
@@ -102,13 +108,15 @@ def _onednn_op(dtype: torch.dtype):
     op = getattr(torch.ops.mkldnn, "_linear_pointwise", None)
     if op is None:
         return None
-    # fixed values: the probe must not touch the global RNG
-    x = torch.linspace(-1, 1, 35).view(5, 7).to(dtype)
-    w, b = torch.linspace(-2, 2, 21).view(3, 7).to(dtype), torch.linspace(0, 1, 3).to(dtype)
-    try:
-        ok = torch.allclose(op(x, w, b, "none", [], "").float(), F.linear(x, w, b).float(), rtol=1e-2, atol=1e-2)
-    except RuntimeError:
-        return None
+    # fixed values: the probe must not touch the global RNG; on real tensors whatever mode (fake tensors,
+    # a tracer) the first caller runs under, since the answer is kept for the process
+    with _disable_current_modes():
+        x = torch.linspace(-1, 1, 35).view(5, 7).to(dtype)
+        w, b = torch.linspace(-2, 2, 21).view(3, 7).to(dtype), torch.linspace(0, 1, 3).to(dtype)
+        try:
+            ok = torch.allclose(op(x, w, b, "none", [], "").float(), F.linear(x, w, b).float(), rtol=1e-2, atol=1e-2)
+        except RuntimeError:
+            return None
     return op if ok else None
 
 
@@ -185,15 +193,14 @@ def _measure(runs: dict) -> str:
     after the warm-up, a candidate over FIRST_SLOWER_THAN times the fastest first call, and after each
     round, one over DROP_SLOWER_THAN times the fastest so far, is timed no more (calls of
     DROP_FROM_SECONDS or more; at the warm-up only calls that measured nothing inside them)."""
-    global _measures_begun
-    _measures_begun += 1
+    next(_tickets)
     started = time.perf_counter()
     first, clean = {}, set()
     for done, (name, run) in enumerate(runs.items(), 1):
-        begun, start = _measures_begun, time.perf_counter()
+        ticket, start = next(_tickets), time.perf_counter()
         run()
         first[name] = time.perf_counter() - start
-        if _measures_begun == begun:  # no shape class was measured inside this call (by any thread)
+        if next(_tickets) == ticket + 1:  # no measurement began inside this call, on any thread
             clean.add(name)
         _notice((time.perf_counter() - started) / done * len(runs) * (_ROUNDS + 1))
     fastest_first = min(first.values())
@@ -298,6 +305,12 @@ def measuring(dtype: torch.dtype) -> bool:
     return _forced() == "auto" and len(candidates(dtype)) > 1
 
 
+def widened_only(dtype: torch.dtype) -> bool:
+    """Whether CPU products of `dtype` take the widened product untimed (half precision where oneDNN does
+    not run it, MOE_CPU_GEMM unset): torch's own half products, its grouped GEMM's too, are slow loops there."""
+    return _forced() == "auto" and candidates(dtype) == ("widened",)
+
+
 def _backend(kind: str, n: int, widths: tuple, dtype: torch.dtype, operands: tuple, multiply_adds: int, run) -> str:
     """The backend for one product: forced, BLAS below the measuring size, else the shape class's choice.
 
@@ -309,9 +322,9 @@ def _backend(kind: str, n: int, widths: tuple, dtype: torch.dtype, operands: tup
     if forced != "auto":
         return forced if forced in _runnable(dtype) else "blas"
     names = candidates(dtype)
-    if len(names) == 1:
+    if len(names) == 1 and dtype not in _WIDENED_DTYPES:  # fp32 on a build without oneDNN's linear
         return names[0]
-    if not worth_measuring(multiply_adds):
+    if len(names) > 1 and not worth_measuring(multiply_adds):
         return "blas"
     if threads.on_worker():
         kind += "@worker"
@@ -322,14 +335,20 @@ def _backend(kind: str, n: int, widths: tuple, dtype: torch.dtype, operands: tup
     key = shape_key(kind, n, widths, dtype, *operands)
     _load()
     choice = _choices.get(key)
-    if choice not in names:
+    if len(names) == 1:  # half precision without native products: widened, untimed
+        if choice is not None and choice != names[0]:  # adopted or read from elsewhere, never run here
+            with _choosing:
+                _choices[key] = names[0]
+        choice = names[0]
+    elif choice not in names:
         choice = choose(key, {name: functools.partial(run, name) for name in names})
     _fast[fast_key] = choice  # a choice once made is never revised (see adopt), so it may be kept here
     return choice
 
 
 def _cpu_product(t: torch.Tensor) -> bool:
-    return t.is_cpu and t.dtype in _ONEDNN_DTYPES and not torch.compiler.is_compiling()
+    """A product on real CPU tensors in eager code (fake tensors, e.g. of a CPU trace, take torch's own)."""
+    return t.is_cpu and t.dtype in _ONEDNN_DTYPES and not torch.compiler.is_compiling() and not is_fake(t)
 
 
 def linear_function(x_NI: torch.Tensor, w_OI: torch.Tensor, b_O: torch.Tensor | None = None,

@@ -34,6 +34,7 @@ from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import is_fake
 
 from kernels import gemm, threads, workspace
 from kernels import grouped_mm, grouped_mm_t, grouped_sum
@@ -415,7 +416,11 @@ def _measured_plan(x_NM, weight1, bias1, weight2, bias2, counts: list[int], acti
     Products alone would mislead, since per expert the bias is added to rows still in cache.
     """
     L, H, M = weight1.shape
-    if (x_NM.device.type != "cpu" or not gemm.measuring(x_NM.dtype)
+    # half precision without native products (gemm.widened_only): its products are not timed, the plans
+    # are, all but the grouped GEMM, which would multiply in the half dtype itself (153 s a call against
+    # 2.9 s for the others, bf16 at the README's layer on a 2-core AMD EPYC with AVX2)
+    widened = x_NM.device.type == "cpu" and gemm.widened_only(x_NM.dtype)
+    if (x_NM.device.type != "cpu" or is_fake(x_NM) or not (gemm.measuring(x_NM.dtype) or widened)
             or not gemm.worth_measuring(x_NM.shape[0] * (M * H + H * weight2.shape[1]))):
         return "per_expert"
     operands = [t for t in (x_NM, weight1, bias1, weight2, bias2) if t is not None]
@@ -427,7 +432,7 @@ def _measured_plan(x_NM, weight1, bias1, weight2, bias2, counts: list[int], acti
     needs = needs if any(needs) else [True] * len(operands)
     kind = "mlp" if all(needs) else "mlp@grads=" + "".join("01"[need] for need in needs)
     key = gemm.shape_key(kind, x_NM.shape[0], (L, M, H, weight2.shape[1]), x_NM.dtype, bias1)
-    native = runs_natively(x_NM, weight1)
+    native = runs_natively(x_NM, weight1) and not widened
     kept = gemm.kept(key)
     if kept in _PLANS and (kept != "grouped" or native):  # kept: it stands (concurrent runs on any thread count)
         return kept

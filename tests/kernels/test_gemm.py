@@ -14,6 +14,7 @@ from torch import nn
 
 from kernels import gemm
 from moe import MoE
+from moe import grouped_mlp as grouped_mlp_module
 from moe.grouped_mlp import grouped_mlp
 
 FP32 = dict(rtol=1e-5, atol=1e-5)
@@ -67,10 +68,20 @@ def test_linear_tn_equals_torch(monkeypatch, backend, n):
     torch.testing.assert_close(out, expected, **FP32)
 
 
+def _onednn_running(monkeypatch, half: bool):
+    """gemm's oneDNN op as on a CPU whose oneDNN runs bf16 and fp16 (a stand-in op there) or refuses them."""
+    real = gemm._onednn_op
+    stand_in = lambda x, w, b, *attrs: F.linear(x, w, b)  # noqa: E731
+    monkeypatch.setattr(gemm, "_onednn_op", lambda dtype: real(dtype) if dtype == torch.float32
+                        else stand_in if half else None)
+
+
 @pytest.mark.parametrize("backend", ["blas", "onednn", "widened"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_precision_products(monkeypatch, backend, dtype):
     monkeypatch.setenv("MOE_CPU_GEMM", backend)
+    if backend == "onednn" and gemm._onednn_op(dtype) is None:  # this CPU refuses it: the wrapper around a stand-in
+        _onednn_running(monkeypatch, half=True)
     x, w, b = _operands(37, 16, 24, dtype, False)
     expected = F.linear(x.float(), w.float(), b.float()).to(dtype)
     torch.testing.assert_close(gemm.linear(x, w, b), expected, **BF16)
@@ -91,14 +102,6 @@ def test_the_widened_product_sums_in_fp32_and_rounds_once(monkeypatch):
     assert got.dtype == torch.bfloat16
     ulp = torch.finfo(torch.bfloat16).eps * exact.abs()  # a bf16 ulp at each value: 2^-7 of it, at most
     assert bool(((got.double() - exact).abs() <= 0.5 * ulp + 1e-4 * exact.abs().max()).all())
-
-
-def _onednn_running(monkeypatch, half: bool):
-    """gemm's oneDNN op as on a CPU whose oneDNN runs bf16 and fp16 (a stand-in op there) or refuses them."""
-    real = gemm._onednn_op
-    stand_in = lambda x, w, b, *attrs: F.linear(x, w, b)  # noqa: E731
-    monkeypatch.setattr(gemm, "_onednn_op", lambda dtype: real(dtype) if dtype == torch.float32
-                        else stand_in if half else None)
 
 
 def test_with_native_half_products_the_widened_product_is_timed_beside_them(monkeypatch):
@@ -326,6 +329,52 @@ def test_the_layer_plan_is_measured_on_the_cpu():
         assert plans == {}
 
 
+def test_half_precision_without_native_products_times_the_plans_but_not_the_grouped_gemm(monkeypatch):
+    # products widened untimed, plans timed: per expert against experts side by side, never torch's
+    # grouped GEMM (it would multiply in bf16 itself, the loops the widened products avoid)
+    _onednn_running(monkeypatch, half=False)
+    monkeypatch.setattr(grouped_mlp_module, "CONCURRENT_FROM", 0)
+    monkeypatch.setattr(grouped_mlp_module.threads, "workers", lambda: 2)
+    monkeypatch.setattr(grouped_mlp_module, "runs_natively", lambda *operands: True)
+    timed = []
+    monkeypatch.setattr(gemm, "_measure", lambda runs: timed.append(list(runs)) or list(runs)[0])
+    torch.manual_seed(0)
+    layer = MoE(16, nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16)), num_experts=4, k=2).bfloat16()
+    layer.deepspeed_moe.gate.float()
+    layer(torch.randn(24, 16).bfloat16())[0].float().sum().backward()
+    assert timed == [["per_expert", "concurrent"]]
+    assert set(gemm.choices().values()) == {"per_expert"}  # the products' widened choice is not timed, not listed
+    _onednn_running(monkeypatch, half=True)  # where the CPU has half products: they and the grouped GEMM are timed
+    gemm.clear()
+    timed.clear()
+    layer(torch.randn(24, 16).bfloat16())[0].float().sum().backward()
+    assert ["per_expert", "grouped", "concurrent"] in timed
+
+
+def test_a_choice_adopted_from_elsewhere_gives_way_where_only_the_widened_product_runs(monkeypatch):
+    _onednn_running(monkeypatch, half=False)
+    x, w, _ = _operands(40, 24, 40, torch.bfloat16, False)
+    key = gemm.shape_key("linear", 40, (24, 40), torch.bfloat16, x, w, None)
+    gemm.adopt({key: "onednn"})  # a checkpoint of a machine with bf16 products
+    ran = _spy_backends(monkeypatch)
+    gemm.linear(x, w)
+    assert ran == [("linear", "widened", 40)] and gemm.choices() == {key: "widened"}
+
+
+def test_fake_cpu_tensors_take_torch_products_and_leave_the_probe_alone(monkeypatch):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    gemm._onednn_op.cache_clear()
+    outside = gemm._onednn_op(torch.float32) is not None
+    gemm._onednn_op.cache_clear()  # the next probe runs under a fake mode, and its answer is kept
+    monkeypatch.setattr(gemm, "_measure", lambda runs: pytest.fail(f"timed {list(runs)} on fake tensors"))
+    with FakeTensorMode():
+        x, w = torch.empty(64, 24), torch.empty(40, 24)
+        assert gemm.linear(x, w).shape == (64, 40)  # torch's product, nothing timed
+        inside = gemm._onednn_op(torch.float32) is not None
+    assert inside == outside
+
+
 def test_the_first_forward_under_inference_mode_runs_without_measuring_the_plan():
     torch.manual_seed(0)
     layer = MoE(16, nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16)), num_experts=4, capacity_factor=2.0)
@@ -433,11 +482,11 @@ def test_a_candidate_far_slower_at_its_first_call_is_not_timed_unless_it_measure
     clock, calls = _Clock(), []
     monkeypatch.setattr(gemm.time, "perf_counter", clock)
     monkeypatch.setattr(gemm, "_noticed", True)
-    runs = {"fast": clock.run(1.0, calls, "fast"), "slow": clock.run(2.5, calls, "slow"),
-            "close": clock.run(1.9, calls, "close")}
+    runs = {"fast": clock.run(1.0, calls, "fast"), "slow": clock.run(4.5, calls, "slow"),
+            "close": clock.run(3.9, calls, "close")}
     assert gemm._measure(runs) == "fast"
-    assert calls.count("slow") == 1  # its first call only: over FIRST_SLOWER_THAN = 2 times the fastest first call
-    assert calls.count("close") == 2  # within 2x at first, then over DROP_SLOWER_THAN after the first round
+    assert calls.count("slow") == 1  # its first call only: over FIRST_SLOWER_THAN = 4 times the fastest first call
+    assert calls.count("close") == 2  # within 4x at first, then over DROP_SLOWER_THAN after the first round
     assert calls.count("fast") == 1 + gemm._ROUNDS
 
     def plan():  # a layer's plan: its first call times its products' backends (40 s of the clock) first
@@ -449,6 +498,23 @@ def test_a_candidate_far_slower_at_its_first_call_is_not_timed_unless_it_measure
     calls.clear()
     assert gemm._measure({"other": clock.run(1.1, calls, "other"), "plan": plan}) == "plan"
     assert calls.count("plan") == calls.count("other") == 1 + gemm._ROUNDS
+
+
+def test_a_first_call_during_which_another_thread_measured_is_not_judged_by_it(monkeypatch):
+    clock, calls = _Clock(), []
+    monkeypatch.setattr(gemm.time, "perf_counter", clock)
+    monkeypatch.setattr(gemm, "_noticed", True)
+
+    def plan():  # experts side by side: a worker thread times its products during the plan's first call
+        calls.append("plan")
+        if calls.count("plan") == 1:
+            worker = threading.Thread(target=gemm._measure, args=({"a": clock.run(5.0, calls, "a")},))
+            worker.start()
+            worker.join()
+        clock.now += 1.0
+
+    assert gemm._measure({"other": clock.run(1.1, calls, "other"), "plan": plan}) == "plan"
+    assert calls.count("plan") == 1 + gemm._ROUNDS
 
 
 def test_a_long_measurement_is_announced_once_per_process(monkeypatch, caplog):
