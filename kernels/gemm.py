@@ -52,7 +52,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from torch._subclasses.fake_tensor import is_fake
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import _disable_current_modes
 
 from kernels import threads
@@ -348,7 +348,7 @@ def _backend(kind: str, n: int, widths: tuple, dtype: torch.dtype, operands: tup
 
 def _cpu_product(t: torch.Tensor) -> bool:
     """A product on real CPU tensors in eager code (fake tensors, e.g. of a CPU trace, take torch's own)."""
-    return t.is_cpu and t.dtype in _ONEDNN_DTYPES and not torch.compiler.is_compiling() and not is_fake(t)
+    return t.is_cpu and t.dtype in _ONEDNN_DTYPES and not torch.compiler.is_compiling() and not isinstance(t, FakeTensor)
 
 
 def linear_function(x_NI: torch.Tensor, w_OI: torch.Tensor, b_O: torch.Tensor | None = None,

@@ -34,7 +34,7 @@ from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
-from torch._subclasses.fake_tensor import is_fake
+from torch._subclasses.fake_tensor import FakeTensor
 
 from kernels import gemm, threads, workspace
 from kernels import grouped_mm, grouped_mm_t, grouped_sum
@@ -420,7 +420,7 @@ def _measured_plan(x_NM, weight1, bias1, weight2, bias2, counts: list[int], acti
     # are, all but the grouped GEMM, which would multiply in the half dtype itself (153 s a call against
     # 2.9 s for the others, bf16 at the README's layer on a 2-core AMD EPYC with AVX2)
     widened = x_NM.device.type == "cpu" and gemm.widened_only(x_NM.dtype)
-    if (x_NM.device.type != "cpu" or is_fake(x_NM) or not (gemm.measuring(x_NM.dtype) or widened)
+    if (x_NM.device.type != "cpu" or isinstance(x_NM, FakeTensor) or not (gemm.measuring(x_NM.dtype) or widened)
             or not gemm.worth_measuring(x_NM.shape[0] * (M * H + H * weight2.shape[1]))):
         return "per_expert"
     operands = [t for t in (x_NM, weight1, bias1, weight2, bias2) if t is not None]
