@@ -322,8 +322,6 @@ def _backend(kind: str, n: int, widths: tuple, dtype: torch.dtype, operands: tup
     if forced != "auto":
         return forced if forced in _runnable(dtype) else "blas"
     names = candidates(dtype)
-    if len(names) == 1 and dtype not in _WIDENED_DTYPES:  # fp32 on a build without oneDNN's linear
-        return names[0]
     if len(names) > 1 and not worth_measuring(multiply_adds):
         return "blas"
     if threads.on_worker():
@@ -335,7 +333,7 @@ def _backend(kind: str, n: int, widths: tuple, dtype: torch.dtype, operands: tup
     key = shape_key(kind, n, widths, dtype, *operands)
     _load()
     choice = _choices.get(key)
-    if len(names) == 1:  # half precision without native products: widened, untimed
+    if len(names) == 1:  # one backend runs here (e.g. widened half precision): taken untimed
         if choice is not None and choice != names[0]:  # adopted or read from elsewhere, never run here
             with _choosing:
                 _choices[key] = names[0]

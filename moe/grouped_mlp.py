@@ -416,11 +416,13 @@ def _measured_plan(x_NM, weight1, bias1, weight2, bias2, counts: list[int], acti
     Products alone would mislead, since per expert the bias is added to rows still in cache.
     """
     L, H, M = weight1.shape
+    if x_NM.device.type != "cpu" or isinstance(x_NM, FakeTensor):
+        return "per_expert"
     # half precision without native products (gemm.widened_only): its products are not timed, the plans
     # are, all but the grouped GEMM, which would multiply in the half dtype itself (153 s a call against
     # 2.9 s for the others, bf16 at the README's layer on a 2-core AMD EPYC with AVX2)
-    widened = x_NM.device.type == "cpu" and gemm.widened_only(x_NM.dtype)
-    if (x_NM.device.type != "cpu" or isinstance(x_NM, FakeTensor) or not (gemm.measuring(x_NM.dtype) or widened)
+    widened = gemm.widened_only(x_NM.dtype)
+    if (not (gemm.measuring(x_NM.dtype) or widened)
             or not gemm.worth_measuring(x_NM.shape[0] * (M * H + H * weight2.shape[1]))):
         return "per_expert"
     operands = [t for t in (x_NM, weight1, bias1, weight2, bias2) if t is not None]
