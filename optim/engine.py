@@ -391,7 +391,20 @@ class Engine:
             unit.reduce()
         grads = [unit.grad() for unit in self.units]
         watch = self.scaler is not None or self.config.nonfinite != "off"
-        self._skipped_last = watch and self._any_overflow(grads)
+        clipping = self.config.gradient_clipping > 0
+        proxies = None
+        if watch and clipping:
+            # the global norm that clipping takes anyway is finite exactly when every gradient is (an inf
+            # or nan makes it inf or nan), so it answers the overflow check without a pass of its own; a
+            # norm that is not finite (also reached from huge finite values) is checked element by element
+            proxies = self._prepare_proxies(grads)
+            self._grad_norm = self._global_norm()
+            self._skipped_last = read_flag(~torch.isfinite(self._grad_norm)) and self._any_overflow(grads)
+        else:
+            self._skipped_last = watch and self._any_overflow(grads)
+        if self._skipped_last:  # no norm is reported for a skipped step
+            self._grad_norm = None
+            self._release_proxies()
         if self._skipped_last and self.scaler is None and self.config.nonfinite == "stop":
             self._stop_on_nonfinite(grads)
         if self._skipped_last:
@@ -404,25 +417,37 @@ class Engine:
             self.zero_grad()
             self._update_routers(skipped=True)
             return
-        proxies = self._prepare_proxies(grads)
-        if self.config.gradient_clipping > 0:  # on the device: min(1, clip / norm) scales every gradient, no host read
-            self._grad_norm = self._global_norm()
+        if proxies is None:
+            proxies = self._prepare_proxies(grads)
+        if clipping:  # on the device: min(1, clip / norm) scales every gradient, no host read
+            if self._grad_norm is None:
+                self._grad_norm = self._global_norm()
             coefficient = (self.config.gradient_clipping / (self._grad_norm + 1e-6)).clamp(max=1.0)
-            for proxy in proxies:
-                proxy.grad.mul_(coefficient.to(proxy.grad.device, proxy.grad.dtype))
+            # on the CPU reading it costs nothing, and a factor of 1 (nothing clipped: most steps once
+            # training settles) changes no bit, so that pass over every gradient is left out
+            if coefficient.device.type != "cpu" or float(coefficient) < 1.0:
+                for proxy in proxies:
+                    proxy.grad.mul_(coefficient.to(proxy.grad.device, proxy.grad.dtype))
         self.optimizer.step()
         for unit in self.units:
             if unit.steps_on_copy:
                 unit.weights.copy_(unit.proxy.detach())
-                unit.proxy.data = torch.empty(0, dtype=self.state_dtype, device=unit.weights.device)
-            unit.proxy.grad = None
             unit.write_back()
+        self._release_proxies()
         self.zero_grad()
         self._update_routers(skipped=False)
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
         if self.scaler is not None:
             self.scaler.update(False)
+
+    def _release_proxies(self) -> None:
+        """Drop the proxies' gradients and the optimizer-dtype copies of `steps_on_copy` units (after a
+        step, or when a step is skipped once they were prepared)."""
+        for unit in self.units:
+            if unit.steps_on_copy:
+                unit.proxy.data = torch.empty(0, dtype=self.state_dtype, device=unit.weights.device)
+            unit.proxy.grad = None
 
     def _update_routers(self, skipped: bool) -> None:
         """Advance every router's balancing state (the expert bias from the step's global counts): collective."""

@@ -91,7 +91,8 @@ def _reduce(tensor: torch.Tensor, group, divisor: float) -> None:
     wire = tensor if tensor.dtype in (torch.float32, torch.float64) else tensor.float()
     if group is not None:
         dist.all_reduce(wire, group=group)
-    wire.div_(divisor)
+    if divisor != 1:  # alone, dividing by 1 would be a pass over every gradient that changes no bit
+        wire.div_(divisor)
     if wire is not tensor:
         tensor.copy_(wire)
 

@@ -1,7 +1,8 @@
 """Non-finite gradients without a loss scaler (fp32 here; bf16 takes the same path): `nonfinite: stop`
 (the default) raises on every rank, naming the step, the ranks and the last checkpoint, before any
 weight changes; `skip` skips the step as fp16's scaler does; `off` does not look. The inf is put into
-one rank's loss, as a diverging run would produce it."""
+one rank's loss, as a diverging run would produce it. With gradient clipping the check reads the norm that
+clipping takes (finite exactly when every gradient is), so each case runs with and without it."""
 
 import pytest
 import torch
@@ -12,10 +13,13 @@ from tests.distributed import run_distributed
 from tests.optim.models import Net, batch, config, loss_of
 
 
-def _engine(nonfinite=None, ep_size=1, stage=1):
+CLIPS = (0.0, 1.0)
+
+
+def _engine(nonfinite=None, ep_size=1, stage=1, clip=0.0):
     reset_groups()
     extra = {} if nonfinite is None else {"nonfinite": nonfinite}
-    return initialize(Net(ep_size=ep_size), config=config(stage, accumulation=1, clip=0.0, **extra))[0]
+    return initialize(Net(ep_size=ep_size), config=config(stage, accumulation=1, clip=clip, **extra))[0]
 
 
 def _step(engine, step, rank, poisoned):
@@ -29,8 +33,9 @@ def _weights(engine):
     return [p.detach().clone() for p in engine.parameters()]
 
 
-def test_stop_is_the_default_and_changes_nothing(tmp_path):
-    engine = _engine()
+@pytest.mark.parametrize("clip", CLIPS)
+def test_stop_is_the_default_and_changes_nothing(tmp_path, clip):
+    engine = _engine(clip=clip)
     _step(engine, 0, 0, False)
     engine.save_checkpoint(str(tmp_path), tag="good")
     before = _weights(engine)
@@ -42,23 +47,41 @@ def test_stop_is_the_default_and_changes_nothing(tmp_path):
     assert all(torch.isfinite(p).all() for p in engine.parameters())
 
 
-def test_skip_skips_the_step_and_goes_on():
-    engine = _engine("skip")
+@pytest.mark.parametrize("clip", CLIPS)
+def test_skip_skips_the_step_and_goes_on(clip):
+    engine = _engine("skip", clip=clip)
     _step(engine, 0, 0, False)
     before = _weights(engine)
     with pytest.warns(UserWarning, match="step 2 skipped: gradients hold inf or nan"):
         _step(engine, 1, 0, True)
     assert engine.was_step_skipped() and engine.skipped_steps == 1 and engine.global_steps == 2
+    assert engine.get_global_grad_norm() is None  # none for a skipped step
     assert all(torch.equal(a, b) for a, b in zip(before, _weights(engine)))
     _step(engine, 2, 0, False)
     assert not engine.was_step_skipped() and all(torch.isfinite(p).all() for p in engine.parameters())
 
 
-def test_off_does_not_look():
-    engine = _engine("off")
+@pytest.mark.parametrize("clip", CLIPS)
+def test_off_does_not_look(clip):
+    engine = _engine("off", clip=clip)
     _step(engine, 0, 0, True)
     assert not engine.was_step_skipped()
     assert not all(torch.isfinite(p).all() for p in engine.parameters())
+
+
+def test_huge_finite_gradients_whose_norm_overflows_are_not_taken_for_non_finite():
+    """An fp32 norm of finite gradients can overflow to inf; the check then looks at every element, finds
+    none that is inf or nan, and the step is taken, as without clipping."""
+    engine = _engine(clip=1.0)
+    x, y = batch(0, 0, 0)
+    engine.backward(loss_of(engine(x), y) * 1e30)
+    grads = [p.grad for p in engine.parameters() if p.grad is not None]
+    assert all(torch.isfinite(g).all() for g in grads)
+    assert not torch.isfinite(torch.linalg.vector_norm(torch.cat([g.reshape(-1) for g in grads])))
+    before = _weights(engine)
+    engine.step()
+    assert not engine.was_step_skipped() and engine.skipped_steps == 0
+    assert any(not torch.equal(a, b) for a, b in zip(before, _weights(engine)))
 
 
 def test_a_bad_value_is_named():
@@ -66,8 +89,8 @@ def test_a_bad_value_is_named():
         _engine("ignore")
 
 
-def _one_rank_diverges(rank, world):
-    engine = _engine(ep_size=2, stage=2)
+def _one_rank_diverges(rank, world, clip):
+    engine = _engine(ep_size=2, stage=2, clip=clip)
     _step(engine, 0, rank, False)
     before = _weights(engine)
     with pytest.raises(FloatingPointError, match=r"on rank\(s\) \[1\] .*last checkpoint: none"):
@@ -75,5 +98,6 @@ def _one_rank_diverges(rank, world):
     assert all(torch.equal(a, b) for a, b in zip(before, _weights(engine))), f"rank {rank} changed its weights"
 
 
-def test_one_rank_diverging_stops_every_rank():
-    run_distributed(_one_rank_diverges, 2, timeout_s=120)
+@pytest.mark.parametrize("clip", CLIPS)
+def test_one_rank_diverging_stops_every_rank(clip):
+    run_distributed(_one_rank_diverges, 2, clip, timeout_s=120)
