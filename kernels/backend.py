@@ -14,8 +14,9 @@ import functools
 import os
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
-__all__ = ["block_size", "launcher", "sync_checks", "use_triton"]
+__all__ = ["block_size", "cpu_eager", "launcher", "sync_checks", "use_triton"]
 
 CHOICES = ("auto", "triton", "torch")
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -52,6 +53,15 @@ def use_triton(t: torch.Tensor) -> bool:
     if not t.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
         raise RuntimeError("MOE_KERNELS=triton on CPU tensors needs TRITON_INTERPRET=1 (the Triton interpreter)")
     return True
+
+
+def cpu_eager(t: torch.Tensor) -> bool:
+    """Whether CPU-only shortcuts apply to ops on `t`: a real CPU tensor in eager code on the torch path
+    (tensors cached across calls, ops that would sync on a GPU). Not under torch.compile (sizes may be
+    symbolic), not for fake tensors, and not with MOE_KERNELS=triton: the simulated GPU path on CPU
+    tensors takes the GPU's branches."""
+    return (t.device.type == "cpu" and not torch.compiler.is_compiling() and not isinstance(t, FakeTensor)
+            and os.environ.get("MOE_KERNELS", "auto") != "triton")
 
 
 def block_size(n_cols: int) -> int:

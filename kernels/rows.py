@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import workspace
-from kernels.backend import block_size, launcher, use_triton
+from kernels.backend import block_size, cpu_eager, launcher, use_triton
 
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -39,7 +39,11 @@ def scatter_kept(row_SK: torch.Tensor, values_P: torch.Tensor, num_rows: int, fi
 
 def source_tokens(row_SK: torch.Tensor, num_rows: int) -> torch.Tensor:
     """Inverse map: the token each buffer row comes from, -1 for empty rows; shape [N]."""
-    token_P = torch.arange(row_SK.numel(), device=row_SK.device) // max(row_SK.shape[1], 1)
+    S, K = row_SK.shape
+    if cpu_eager(row_SK) and K:
+        token_P = _bags(S, K)[1]  # made once per shape: an integer division per choice cost 80 us at P = 8192
+    else:
+        token_P = torch.arange(row_SK.numel(), device=row_SK.device) // max(K, 1)
     return scatter_kept(row_SK, token_P, num_rows, -1)
 
 
@@ -231,8 +235,7 @@ def row_dots(grad_SM: torch.Tensor, buffer_NM: torch.Tensor, row_SK: torch.Tenso
         return row_dots_triton(grad_SM, buffer_NM, row_SK)
     num_rows = buffer_NM.shape[0]
     acc_dtype = accumulation_dtype(buffer_NM.dtype)
-    if (not torch.compiler.is_compiling() and buffer_NM.device.type == "cpu"  # (compiled: sizes may be symbolic)
-            and buffer_NM.dtype == acc_dtype == grad_SM.dtype and num_rows):
+    if cpu_eager(buffer_NM) and buffer_NM.dtype == acc_dtype == grad_SM.dtype and num_rows:
         return _bag_dots(grad_SM, buffer_NM, row_SK)
     if g_NM is None:
         g_NM = gather_rows(grad_SM, source_tokens(row_SK, num_rows), None)

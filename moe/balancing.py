@@ -20,6 +20,8 @@ choices routed to expert i over the whole global batch of that step.
 
 import torch
 
+from kernels.backend import cpu_eager
+
 __all__ = [
     "LOAD_BALANCING_TYPES", "balance_fraction", "balance_loss", "max_violation", "normalized_scores",
     "update_bias",
@@ -36,8 +38,11 @@ def normalized_scores(scores_SE: torch.Tensor, scoring_func: str) -> torch.Tenso
 
 
 def choice_counts(expert_SK: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """int64 choices per expert, [E]; -1 (routed nowhere) not counted. A scatter-add: no host sync."""
+    """int64 choices per expert, [E]; -1 (routed nowhere) not counted. A scatter-add: no host sync
+    (`bincount` on the CPU, where it is three times faster and has no sync to make)."""
     index = expert_SK.reshape(-1) + 1
+    if cpu_eager(index):
+        return torch.bincount(index, minlength=num_experts + 1).narrow(0, 1, num_experts)
     counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=expert_SK.device)
     return counts.scatter_add_(0, index, torch.ones_like(index)).narrow(0, 1, num_experts)
 

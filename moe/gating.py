@@ -124,10 +124,15 @@ def expert_softmax(logits_SE: torch.Tensor) -> torch.Tensor:
     return F.softmax(padded_SX, dim=1).narrow(1, 0, num_experts).contiguous()
 
 
-def _gumbel_like(t: torch.Tensor) -> torch.Tensor:
-    """Gumbel(0, 1) noise, -log(-log(U)); U is kept off 0 so the noise stays finite."""
+def _neg_gumbel_like(t: torch.Tensor) -> torch.Tensor:
+    """Minus Gumbel(0, 1) noise, log(-log(U)); U is kept off 0 so the noise stays finite."""
     uniform = torch.rand_like(t).clamp_(min=torch.finfo(t.dtype).tiny)
-    return uniform.log_().neg_().log_().neg_()
+    return uniform.log_().neg_().log_()
+
+
+def _gumbel_like(t: torch.Tensor) -> torch.Tensor:
+    """Gumbel(0, 1) noise, -log(-log(U))."""
+    return _neg_gumbel_like(t).neg_()
 
 
 def _argmax(scores_SE: torch.Tensor) -> torch.Tensor:
@@ -170,7 +175,7 @@ def _plan(
     if scaling != 1.0:
         weight_SK = weight_SK * scaling
     return Routing(
-        expert_idx_SK=expert_SK, slot_SK=torch.where(kept_SK, slot_SK, -1), weight_SK=weight_SK,
+        expert_idx_SK=expert_SK, slot_SK=slot_SK, weight_SK=weight_SK,
         resolve_capacity=resolve_capacity, num_experts=scores_SE.shape[1], l_aux=l_aux,
         exp_counts=exp_counts.detach(), z_loss=z_loss, max_rows=max_rows, kept_counts_E=kept_counts,
     )
@@ -199,8 +204,8 @@ def _softmax_plan(
     kept_SK = slot_SK >= 0
     expert_SK = torch.where(kept_SK, expert_SK, -1)
     weight_SK, l_aux, z_loss = gate_outputs(logits, gates_SE, expert_SK, frac_E, renormalize, scaling, top_S)
-    return Routing(
-        expert_idx_SK=expert_SK, slot_SK=torch.where(kept_SK, slot_SK, -1), weight_SK=weight_SK,
+    return Routing(  # slot_SK is -1 exactly where kept_SK is False: as it is
+        expert_idx_SK=expert_SK, slot_SK=slot_SK, weight_SK=weight_SK,
         resolve_capacity=resolve_capacity, num_experts=gates_SE.shape[1], l_aux=l_aux,
         exp_counts=exp_counts.detach(), z_loss=z_loss, max_rows=max_rows, kept_counts_E=kept_counts,
     )
@@ -247,7 +252,7 @@ def top1gating(
     capacity = _capacity(logits, 1, capacity_factor, min_capacity, drop_tokens)
     priority = torch.rand(choice_S.shape, device=logits.device) if (use_rts and drop_tokens) else None
     exp_counts, kept_counts, slot_S = assign_slots(choice_S, num_experts, _slots_capacity(capacity, logits, 1),
-                                                   priority)
+                                                   priority, all_routed=used_token is None)
     balance = {"load_balancing_type": load_balancing_type, "seq_len": seq_len, "global_counts": global_counts}
     return _softmax_plan(
         logits, gates_SE, choice_S.unsqueeze(1), slot_S.unsqueeze(1), _resolver(capacity, exp_counts, ep_group),
@@ -285,7 +290,11 @@ def top2gating(
     S, num_experts = logits.shape
     gates_SE = expert_softmax(logits.detach())
     first_S = _argmax(gates_SE)
-    scores = _gumbel_like(logits).add_(logits.detach()) if top2_2nd_expert_sampling else logits.detach().clone()
+    if top2_2nd_expert_sampling:  # logits + Gumbel noise, as logits - log(-log U): the same values, one pass fewer
+        scores = _neg_gumbel_like(logits)
+        torch.sub(logits.detach(), scores, out=scores)
+    else:
+        scores = logits.detach().clone()
     scores.scatter_(1, first_S.unsqueeze(1), float("-inf"))  # a fresh tensor either way: no second copy
     second_S = _argmax(scores)
     expert_KS = torch.stack([first_S, second_S])  # the fill order: every first choice, then every second
@@ -293,10 +302,13 @@ def top2gating(
         used_S = _mask_unused(first_S, used_token) >= 0
         expert_KS = torch.where(used_S, expert_KS, -1)
     capacity = _capacity(logits, 2, capacity_factor, min_capacity, drop_tokens)
-    exp_counts, kept_counts, slot_P = assign_slots(expert_KS.view(-1), num_experts, _slots_capacity(capacity, logits, 2))
+    exp_counts, kept_counts, slot_P = assign_slots(expert_KS.view(-1), num_experts, _slots_capacity(capacity, logits, 2),
+                                                   all_routed=used_token is None)
     # row-major like every [S, K] of the plan, so no later reshape copies it (clone, not contiguous(),
     # which fails on fake CUDA tensors of a CPU-only torch build: the simulated GPU world)
-    expert_SK, slot_SK = (t.view(2, S).t().clone(memory_format=torch.contiguous_format) for t in (expert_KS, slot_P))
+    slot_SK = slot_P.view(2, S).t().clone(memory_format=torch.contiguous_format)
+    expert_SK = (torch.stack([first_S, second_S], 1) if used_token is None
+                 else expert_KS.t().clone(memory_format=torch.contiguous_format))
     balance = {"load_balancing_type": load_balancing_type, "seq_len": seq_len, "global_counts": global_counts}
     return _softmax_plan(  # DeepSpeed's aux_loss counts the first choices only
         logits, gates_SE, expert_SK, slot_SK, _resolver(capacity, exp_counts, ep_group), exp_counts,
@@ -405,7 +417,8 @@ def topkgating(
     capacity = _capacity(logits, k, capacity_factor, min_capacity, drop_tokens)
     priority = top_score_SK.reshape(-1) if (drop_policy == "probs" and drop_tokens) else None
     exp_counts, kept_counts, slot_P = assign_slots(expert_SK.reshape(-1), num_experts,
-                                                   _slots_capacity(capacity, logits, k), priority)
+                                                   _slots_capacity(capacity, logits, k), priority,
+                                                   all_routed=used_token is None)
     slot_SK = slot_P.view(S, k)
     resolve, max_rows = _resolver(capacity, exp_counts, ep_group), _max_rows(capacity, S, k, num_experts)
     own_fraction = lambda: _own_fraction(exp_counts, S, k, logits.dtype)  # noqa: E731

@@ -93,7 +93,8 @@ class Routing:
 
 
 def assign_slots(
-    expert_P: torch.Tensor, num_experts: int, capacity: int, priority_P: torch.Tensor | None = None
+    expert_P: torch.Tensor, num_experts: int, capacity: int, priority_P: torch.Tensor | None = None,
+    all_routed: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Give each choice a slot in its expert's buffer, dropping what does not fit.
 
@@ -106,6 +107,7 @@ def assign_slots(
         num_experts: E.
         capacity: C.
         priority_P: optional float priority per choice, shape [P].
+        all_routed: the caller knows expert_P holds no -1 (see kernels.slots.expert_positions).
 
     Returns:
         counts_E: int64 choices per expert before dropping, shape [E] (the plan's exp_counts).
@@ -115,9 +117,10 @@ def assign_slots(
     counts_E = None
     if priority_P is not None:  # rank each expert's choices by priority (ties: fill order), keep the top C
         order = torch.argsort(priority_P, descending=True, stable=True)
-        counts_E, rank_in_order = expert_positions(expert_P.index_select(0, order), num_experts)
+        counts_E, rank_in_order = expert_positions(expert_P.index_select(0, order), num_experts, all_routed)
         rank_P = torch.empty_like(rank_in_order).scatter_(0, order, rank_in_order)
         expert_P = torch.where((rank_P >= 0) & (rank_P < capacity), expert_P, -1)
-    counts_or_kept_E, slot_P = expert_positions(expert_P, num_experts)  # kept ones after a priority's drop
+        all_routed = False  # the priority's drop routed some nowhere
+    counts_or_kept_E, slot_P = expert_positions(expert_P, num_experts, all_routed)  # kept ones after a priority's drop
     counts_E = counts_or_kept_E if counts_E is None else counts_E
     return counts_E, counts_E.clamp(max=capacity), torch.where(slot_P < capacity, slot_P, -1)
