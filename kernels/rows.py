@@ -175,9 +175,14 @@ def gather_rows(x_SM: torch.Tensor, token_N: torch.Tensor, scale_N: torch.Tensor
     out = workspace.empty((token_N.shape[0], x_SM.shape[1]), x_SM.dtype, x_SM.device)
     if x_SM.shape[0] == 0:
         return out.zero_()
-    buffer_NM = torch.index_select(x_SM, 0, token_N.clamp(min=0), out=out)
+    # eager on the CPU a host read costs nothing: when every row has a token (the packed layout's rows
+    # always do), the gather needs no clamped index and leaves no empty rows to zero
+    full = cpu_eager(token_N) and (token_N.numel() == 0 or int(token_N.min()) >= 0)
+    buffer_NM = torch.index_select(x_SM, 0, token_N if full else token_N.clamp(min=0), out=out)
     if scale_N is not None:
         buffer_NM.mul_(scale_N.to(buffer_NM.dtype).unsqueeze(1))
+    if full:
+        return buffer_NM
     if buffer_NM.device.type != "cpu" or torch.compiler.is_compiling():
         # rows no choice points at are zero: a mask, no host sync (a compiled graph cannot read one)
         return buffer_NM.masked_fill_((token_N < 0).unsqueeze(1), 0)
@@ -197,9 +202,9 @@ def combine_rows(buffer_NM: torch.Tensor, row_SK: torch.Tensor, weight_SK: torch
     S = 8192, M = 512, 2-core AMD EPYC).
     """
     buffer_NM = buffer_NM.contiguous()
-    if weight_SK is None:
-        weight_SK = torch.ones(row_SK.shape, dtype=torch.float32, device=row_SK.device)
     if use_triton(buffer_NM):
+        if weight_SK is None:
+            weight_SK = torch.ones(row_SK.shape, dtype=torch.float32, device=row_SK.device)
         return combine_rows_triton(buffer_NM, row_SK, weight_SK)
     S, K = row_SK.shape
     acc_dtype = accumulation_dtype(buffer_NM.dtype)
@@ -207,10 +212,12 @@ def combine_rows(buffer_NM: torch.Tensor, row_SK: torch.Tensor, weight_SK: torch
         return buffer_NM.new_zeros(S, buffer_NM.shape[1])
     kept_SK = row_SK >= 0
     rows_SK = row_SK.clamp(min=0)
-    w_SK = torch.where(kept_SK, weight_SK, torch.zeros_like(weight_SK)).to(acc_dtype)
-    if (buffer_NM.device.type == "cpu" and buffer_NM.dtype == acc_dtype and not torch.compiler.is_compiling()
-            and buffer_NM.shape[0]):  # (compiled, the gathers below trace with symbolic row counts)
-        return F.embedding_bag(rows_SK, buffer_NM, per_sample_weights=w_SK, mode="sum")
+    # a dropped choice weighted 0 (unit weights: the mask itself)
+    w_SK = (kept_SK if weight_SK is None else torch.where(kept_SK, weight_SK, 0.0)).to(acc_dtype)
+    if cpu_eager(buffer_NM) and buffer_NM.dtype == acc_dtype and buffer_NM.shape[0]:
+        # (compiled, the gathers below trace with symbolic row counts); bags of K: the offsets made once per shape
+        return F.embedding_bag(rows_SK.reshape(-1), buffer_NM, _bags(S, K)[0], per_sample_weights=w_SK.reshape(-1),
+                               mode="sum")
     # half precision (or off the CPU): fp32 sums over chunks of tokens, so on the CPU each widened copy of
     # gathered rows stays small (mixed-dtype ops would widen an operand into a fresh [S, M] temporary,
     # page-faulted in every step)
