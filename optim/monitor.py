@@ -13,6 +13,7 @@ all-reduce; `Monitor` writes the result on rank 0: scalars, an expert-load histo
 an experts x layers heatmap image.
 """
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -45,16 +46,31 @@ class LayerStats:
     kept_counts: torch.Tensor
     bias_range: tuple[float, float] | None = None
 
+    @functools.cached_property
+    def _counts(self) -> tuple[list[float], list[float]]:
+        """The counts as Python floats, read once: the scalars below are a few operations on E numbers,
+        which cost less in Python than as tensor operations (whole counts: their sums are exact in
+        any order, so the values are the tensors' own)."""
+        return self.exp_counts.tolist(), self.kept_counts.tolist()
+
     @property
     def max_vio(self) -> float:
         """MaxVio (Wang et al. 2024): max_i c_i / mean_j c_j - 1 over the step's routed choices; 0 when even."""
-        mean = float(self.exp_counts.mean()) if self.exp_counts.numel() else 0.0
-        return float(self.exp_counts.max()) / mean - 1.0 if mean > 0 else 0.0
+        counts = self._counts[0]
+        mean = sum(counts) / len(counts) if counts else 0.0
+        return max(counts) / mean - 1.0 if mean > 0 else 0.0
 
     @property
     def dropped_fraction(self) -> float:
-        routed = float(self.exp_counts.sum())
-        return 1.0 - float(self.kept_counts.sum()) / routed if routed else 0.0
+        routed = sum(self._counts[0])
+        return 1.0 - sum(self._counts[1]) / routed if routed else 0.0
+
+    @property
+    def max_load(self) -> float:
+        """The largest of `load`: 1.0 when balanced."""
+        counts = self._counts[0]
+        routed = sum(counts)
+        return max(c * (len(counts) / routed) for c in counts) if routed else 1.0
 
     @property
     def load(self) -> torch.Tensor:
@@ -116,16 +132,17 @@ class StepStats:
         biases = [getattr(module, "expert_bias", None) for _, module in self.layers]
         ranges = [torch.stack([b.min(), b.max()]).to(device, torch.float64) for b in biases if b is not None and b.numel()]
         flat = read_stats(torch.cat([flat, *ranges]))  # the bias is the same on every rank: read, not summed
-        ranges = iter(flat[len(flat) - 2 * len(ranges):].view(-1, 2).tolist())
-        loss = float(flat[0] / flat[1]) if flat[1] else None
+        values = flat.tolist()  # scalars in Python: a few divisions, cheaper than tensor operations
+        ranges = iter(zip(values[len(values) - 2 * len(ranges)::2], values[len(values) - 2 * len(ranges) + 1::2]))
+        loss = values[0] / values[1] if values[1] else None
         layers, offset = [], 2
         for (name, _), e, bias in zip(self.layers, sizes, biases):
-            row = flat[offset:offset + 3 + 2 * e]
-            offset += 3 + 2 * e
+            forwards, l_aux, z_loss = values[offset:offset + 3]
             bias_range = tuple(next(ranges)) if bias is not None and bias.numel() else None
-            if row[0] > 0:
-                layers.append(LayerStats(name, float(row[1] / row[0]), float(row[2] / row[0]),
-                                         row[3:3 + e].clone(), row[3 + e:].clone(), bias_range))
+            if forwards > 0:
+                layers.append(LayerStats(name, l_aux / forwards, z_loss / forwards, flat[offset + 3:offset + 3 + e].clone(),
+                                         flat[offset + 3 + e:offset + 3 + 2 * e].clone(), bias_range))
+            offset += 3 + 2 * e
         return loss, layers
 
 
@@ -198,7 +215,7 @@ class Monitor:
                   "MoE/max_vio": sum(max_vio) / len(layers)}
         for s, dropped_fraction, vio in zip(layers, dropped, max_vio):
             values.update({f"MoE/{s.name}/l_aux": s.l_aux, f"MoE/{s.name}/dropped_fraction": dropped_fraction,
-                           f"MoE/{s.name}/max_load": float(s.load.max()), f"MoE/{s.name}/max_vio": vio})
+                           f"MoE/{s.name}/max_load": s.max_load, f"MoE/{s.name}/max_vio": vio})
             if s.bias_range is not None:
                 values[f"MoE/{s.name}/bias_min"], values[f"MoE/{s.name}/bias_max"] = s.bias_range
         return values

@@ -76,6 +76,21 @@ def test_max_vio_is_the_largest_load_over_the_mean_minus_one():
     assert even.max_vio == 0.0 and idle.max_vio == 0.0
 
 
+def test_the_scalars_read_in_python_equal_the_tensor_formulas():
+    """max_vio, dropped_fraction and max_load come from the counts as Python floats; whole counts give
+    the tensors' own values, bit for bit."""
+    generator = torch.Generator().manual_seed(0)
+    for experts in (1, 3, 8, 64):
+        exp = torch.randint(0, 5000, (experts,), generator=generator).double()
+        kept = torch.minimum(exp, torch.full_like(exp, 1200.0))
+        stats = LayerStats("x", 0.0, 0.0, exp, kept)
+        assert stats.max_vio == float(exp.max()) / float(exp.mean()) - 1.0
+        assert stats.dropped_fraction == 1.0 - float(kept.sum()) / float(exp.sum())
+        assert stats.max_load == float(stats.load.max()) == float((exp * (experts / exp.sum())).max())
+    idle = LayerStats("z", 0.0, 0.0, torch.zeros(4, dtype=torch.float64), torch.zeros(4, dtype=torch.float64))
+    assert idle.max_load == float(idle.load.max()) == 1.0 and idle.dropped_fraction == 0.0
+
+
 def test_the_bias_range_is_read_after_the_step():
     model = nn.ModuleDict({"a": FakeLayer(2), "b": FakeLayer(3)})
     model["a"].expert_bias = torch.tensor([-0.25, 0.5])
