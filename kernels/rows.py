@@ -242,7 +242,7 @@ def row_dots(grad_SM: torch.Tensor, buffer_NM: torch.Tensor, row_SK: torch.Tenso
         return row_dots_triton(grad_SM, buffer_NM, row_SK)
     num_rows = buffer_NM.shape[0]
     acc_dtype = accumulation_dtype(buffer_NM.dtype)
-    if cpu_eager(buffer_NM) and buffer_NM.dtype == acc_dtype == grad_SM.dtype and num_rows:
+    if cpu_eager(buffer_NM) and buffer_NM.dtype == acc_dtype == grad_SM.dtype and num_rows and row_SK.shape[1]:
         return _bag_dots(grad_SM, buffer_NM, row_SK)
     if g_NM is None:
         g_NM = gather_rows(grad_SM, source_tokens(row_SK, num_rows), None)
@@ -261,8 +261,13 @@ def row_dots(grad_SM: torch.Tensor, buffer_NM: torch.Tensor, row_SK: torch.Tenso
 
 @functools.lru_cache(maxsize=8)
 def _bags(S: int, K: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """CPU embedding bags of K choices per token: each bag's first sample, and each sample's bag."""
-    return torch.arange(0, S * K, K), torch.arange(S).repeat_interleave(K)
+    """CPU embedding bags of K >= 1 choices per token: each bag's first sample, and each sample's bag.
+
+    Kept across calls and only ever read, so made as plain CPU tensors whatever the first caller runs
+    under (a default device or device context, inference mode)."""
+    with torch.inference_mode(False):
+        return (torch.arange(0, S * K, K, device="cpu"),
+                torch.arange(S, device="cpu").repeat_interleave(K))
 
 
 def _bag_dots(grad_SM: torch.Tensor, buffer_NM: torch.Tensor, row_SK: torch.Tensor) -> torch.Tensor:

@@ -42,7 +42,10 @@ def choice_counts(expert_SK: torch.Tensor, num_experts: int) -> torch.Tensor:
     (`bincount` on the CPU, where it is three times faster and has no sync to make)."""
     index = expert_SK.reshape(-1) + 1
     if cpu_eager(index):
-        return torch.bincount(index, minlength=num_experts + 1).narrow(0, 1, num_experts)
+        counts = torch.bincount(index, minlength=num_experts + 1)
+        if counts.shape[0] > num_experts + 1:  # (the scatter-add below would raise on such an index too)
+            raise ValueError(f"expert ids must be below num_experts ({num_experts}), got {int(index.max()) - 1}")
+        return counts.narrow(0, 1, num_experts)
     counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=expert_SK.device)
     return counts.scatter_add_(0, index, torch.ones_like(index)).narrow(0, 1, num_experts)
 

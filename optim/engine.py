@@ -423,9 +423,10 @@ class Engine:
             if self._grad_norm is None:
                 self._grad_norm = self._global_norm()
             coefficient = (self.config.gradient_clipping / (self._grad_norm + 1e-6)).clamp(max=1.0)
-            # on the CPU reading it costs nothing, and a factor of 1 (nothing clipped: most steps once
-            # training settles) changes no bit, so that pass over every gradient is left out
-            if coefficient.device.type != "cpu" or float(coefficient) < 1.0:
+            # on the CPU reading it costs nothing, and a factor of exactly 1 (nothing clipped: most steps
+            # once training settles) changes no bit, so that pass over every gradient is left out there
+            # (a NaN factor, `nonfinite: off`, still multiplies)
+            if coefficient.device.type != "cpu" or not float(coefficient) >= 1.0:
                 for proxy in proxies:
                     proxy.grad.mul_(coefficient.to(proxy.grad.device, proxy.grad.dtype))
         self.optimizer.step()

@@ -207,3 +207,53 @@ def test_eager_calls_launch_directly_and_traces_see_the_custom_ops(monkeypatch):
     traced = torch.jit.trace(forward, (x, row_SK, weight_SK), check_trace=False)  # a direct launch fails here
     for out in (forward(x, row_SK, weight_SK), compiled, traced(x, row_SK, weight_SK)):
         torch.testing.assert_close(out, expected, **FP32)
+
+
+def test_cpu_shortcuts_equal_the_general_path():
+    """On the CPU: a gather whose rows all have a token skips the clamp and the empty-row pass; the
+    weights' dots come from an embedding bag's per-sample-weight gradient; K = 0 has no bags. Each
+    against the plain formula."""
+    from kernels.rows import gather_rows, row_dots
+
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(7, 6, generator=g)
+    full = torch.randint(0, 7, (11,), generator=g)
+    gappy = full.clone()
+    gappy[[2, 9]] = -1
+    scale = torch.rand(11, generator=g)
+    for token in (full, gappy):
+        want = torch.where((token >= 0).unsqueeze(1), x[token.clamp(min=0)] * scale.unsqueeze(1), 0.0)
+        assert torch.equal(gather_rows(x, token, scale), want)
+    buffer = torch.randn(11, 6, generator=g)
+    grad = torch.randn(7, 6, generator=g)
+    rows = torch.randperm(11, generator=g)[:8].view(4, 2)
+    rows[1, 0] = -1
+    dots = row_dots(grad[:4], buffer, rows)
+    want = torch.where(rows >= 0, (grad[:4].unsqueeze(1) * buffer[rows.clamp(min=0)]).sum(2), 0.0)
+    torch.testing.assert_close(dots, want, **FP32)
+    assert dots[1, 0] == 0
+    assert row_dots(grad[:4], buffer, rows[:, :0]).shape == (4, 0)
+
+
+def test_cached_bags_are_plain_cpu_tensors_whoever_made_them_first():
+    """The bags' index tensors are kept across calls: made first under a meta device context or in
+    inference mode, they still serve real CPU tensors that need gradients."""
+    from kernels import rows as rows_module
+
+    rows_module._bags.cache_clear()
+    row_SK = torch.tensor([[0, 3], [1, -1], [4, 2]])
+    with torch.device("meta"):
+        rows_module._bags(3, 2)
+    with torch.inference_mode():
+        rows_module._bags(5, 1)
+    for S, K in ((3, 2), (5, 1)):
+        offsets, bag = rows_module._bags(S, K)
+        assert offsets.device.type == bag.device.type == "cpu" and not offsets.is_inference()
+        assert offsets.tolist() == list(range(0, S * K, K)) and bag.tolist() == [s for s in range(S) for _ in range(K)]
+    buffer = torch.randn(5, 4, requires_grad=True)
+    weight = torch.rand(3, 2, requires_grad=True)
+    out = unpermute_combine(buffer, row_SK, weight)
+    ref = unpermute_combine_reference(buffer.detach().clone().requires_grad_(), row_SK, weight.detach().clone())
+    torch.testing.assert_close(out, ref, **FP32)
+    out.sum().backward()
+    assert buffer.grad is not None and weight.grad is not None

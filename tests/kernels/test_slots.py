@@ -30,6 +30,10 @@ def test_running_count_positions_equal_the_sorted_ones(P, E):
         assert got.dtype == want.dtype and torch.equal(got, want)
     if P and E == 8:  # the public entry takes this path here
         assert torch.equal(expert_positions(expert_P, E)[1], expert_positions_reference(expert_P, E)[1])
+    routed_P = expert_P.clamp(min=0)  # every choice routed: the caller may say so, and no spare bucket is kept
+    for got, want in zip(_expert_positions_by_cumsum(routed_P, E, all_routed=True),
+                         expert_positions_reference(routed_P, E)):
+        assert got.dtype == want.dtype and torch.equal(got, want)
 
 
 def test_positions_follow_fill_order():
