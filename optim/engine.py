@@ -402,12 +402,11 @@ class Engine:
             self._skipped_last = read_flag(~torch.isfinite(self._grad_norm)) and self._any_overflow(grads)
         else:
             self._skipped_last = watch and self._any_overflow(grads)
-        if self._skipped_last:  # no norm is reported for a skipped step
-            self._grad_norm = None
-            self._release_proxies()
-        if self._skipped_last and self.scaler is None and self.config.nonfinite == "stop":
-            self._stop_on_nonfinite(grads)
         if self._skipped_last:
+            self._grad_norm = None  # no norm is reported for a skipped step
+            self._release_proxies()
+            if self.scaler is None and self.config.nonfinite == "stop":
+                self._stop_on_nonfinite(grads)
             self.skipped_steps += 1
             if self.scaler is not None:
                 self.scaler.update(True)
