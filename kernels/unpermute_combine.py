@@ -12,7 +12,7 @@ CUDA, torch index ops elsewhere) live in kernels.rows.
 import torch
 
 from kernels.backend import use_triton
-from kernels.rows import accumulation_dtype, combine_rows, gather_rows, row_dots, scatter_kept, source_tokens
+from kernels.rows import accumulation_dtype, combine_rows, fused_dots, gather_rows, row_dots, scatter_kept, source_tokens
 
 __all__ = ["unpermute_combine", "unpermute_combine_reference"]
 
@@ -63,7 +63,7 @@ class _UnpermuteCombine(torch.autograd.Function):
         num_rows = buffer_NM.shape[0]
         token_N = source_tokens(row_SK, num_rows) if token_N is None else token_N
         scale_N = scatter_kept(row_SK, weight_SK.reshape(-1).to(accumulation_dtype(buffer_NM.dtype)), num_rows, 0.0)
-        if use_triton(buffer_NM):
+        if use_triton(buffer_NM) or fused_dots(grad_SM, buffer_NM, row_SK):
             grad_buffer = gather_rows(grad_SM, token_N, scale_N) if ctx.needs_input_grad[0] else None
             dots_SK = row_dots(grad_SM, buffer_NM, row_SK) if ctx.needs_input_grad[2] else None
         else:

@@ -210,8 +210,8 @@ def test_eager_calls_launch_directly_and_traces_see_the_custom_ops(monkeypatch):
 
 
 def test_cpu_shortcuts_equal_the_general_path():
-    """On the CPU: a gather whose rows all have a token skips the clamp and the empty-row pass; the
-    weights' dots come from an embedding bag's per-sample-weight gradient; K = 0 has no bags. Each
+    """On the CPU: a gather whose rows all have a token skips the clamp and the empty-row pass (and
+    scaled, in fp32 and float64, is an embedding bag of one row per bag); the weights' dots come from an embedding bag's per-sample-weight gradient; K = 0 has no bags. Each
     against the plain formula."""
     from kernels.rows import gather_rows, row_dots
 
@@ -221,9 +221,12 @@ def test_cpu_shortcuts_equal_the_general_path():
     gappy = full.clone()
     gappy[[2, 9]] = -1
     scale = torch.rand(11, generator=g)
-    for token in (full, gappy):
-        want = torch.where((token >= 0).unsqueeze(1), x[token.clamp(min=0)] * scale.unsqueeze(1), 0.0)
-        assert torch.equal(gather_rows(x, token, scale), want)
+    for dtype in (torch.float32, torch.float64):  # scaled full gathers: bags of one row, weighted
+        for token in (full, gappy):
+            xd, scaled = x.to(dtype), scale.to(dtype)
+            want = torch.where((token >= 0).unsqueeze(1), xd[token.clamp(min=0)] * scaled.unsqueeze(1), 0.0)
+            assert torch.equal(gather_rows(xd, token, scaled), want)
+            assert torch.equal(gather_rows(xd, token, None), torch.where((token >= 0).unsqueeze(1), xd[token.clamp(min=0)], 0.0))
     buffer = torch.randn(11, 6, generator=g)
     grad = torch.randn(7, 6, generator=g)
     rows = torch.randperm(11, generator=g)[:8].view(4, 2)

@@ -182,6 +182,16 @@ def test_expert_softmax_is_softmax_and_each_token_gets_its_gates_whatever_the_ba
     assert torch.autograd.gradcheck(expert_softmax, (x,))
 
 
+def test_expert_softmax_of_eight_experts_has_the_padded_rows_bits():
+    # with AVX2 kernels a row of 8 fp32 logits is one full vector and takes plain F.softmax (a third of
+    # the padded form's cost): its bits must be the padded row's, extreme and tied logits included
+    torch.manual_seed(0)
+    logits = torch.cat([torch.randn(4096, 8) * 3, torch.randn(512, 8) * 60, torch.zeros(64, 8),
+                        torch.randint(-2, 3, (512, 8)).float(), torch.randn(64, 8) * 1e-30])
+    padded = F.softmax(F.pad(logits, (0, 8), value=float("-inf")), dim=1).narrow(1, 0, 8)
+    assert torch.equal(expert_softmax(logits), padded)
+
+
 _KERNEL_GATES = """
 import hashlib, torch
 from moe.gating import expert_softmax
