@@ -107,7 +107,8 @@ SOFTMAX_ROW = 16
 
 def expert_softmax(logits_SE: torch.Tensor) -> torch.Tensor:
     """softmax over experts (dim 1), differentiable; on the CPU rows of fewer than SOFTMAX_ROW experts
-    are padded with -inf to SOFTMAX_ROW lanes.
+    are padded with -inf to SOFTMAX_ROW lanes (but for 8 fp32 experts under AVX2 kernels, whose plain
+    softmax already has the padded row's bits: `_full_avx2_row`).
 
     The padded lanes add exact zeros, so this is softmax(logits) up to the order of the row's sum
     (within 1e-6 relative of F.softmax), and the same bits on AVX-512 and AVX2 kernels (where
