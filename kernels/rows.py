@@ -177,13 +177,15 @@ def gather_rows(x_SM: torch.Tensor, token_N: torch.Tensor, scale_N: torch.Tensor
     # eager on the CPU a host read costs nothing: when every row has a token (the packed layout's rows
     # always do), the gather needs no clamped index and leaves no empty rows to zero
     full = cpu_eager(token_N) and (token_N.numel() == 0 or int(token_N.min()) >= 0)
-    if full and scale_N is not None and x_SM.dtype == accumulation_dtype(x_SM.dtype) and token_N.numel():
+    num_rows, width = token_N.shape[0], x_SM.shape[1]
+    if (full and scale_N is not None and x_SM.dtype == accumulation_dtype(x_SM.dtype) and num_rows and width
+            and workspace.allocator_reuses(num_rows * width * x_SM.element_size())):
         # scaled (fp32, float64): bags of one row with per-sample weights, one pass over the rows where a
         # gather and a scaling pass took two (the combine's backward in the GPT recipe's MoE layer,
         # [8192, 128] from [4096, 128]: 0.56 against 0.87 ms in the layer, 2-core AMD EPYC with AVX2);
-        # the same products, a negative zero aside (a bag's sum starts from +0)
-        return F.embedding_bag(token_N, x_SM, _bags(token_N.shape[0], 1)[0],
-                               per_sample_weights=scale_N.to(x_SM.dtype), mode="sum")
+        # the same products, a negative zero aside (a bag's sum starts from +0). The bag allocates its
+        # own output: only where the allocator reuses memory (larger ones stay in the workspace)
+        return F.embedding_bag(token_N, x_SM, _range(num_rows), per_sample_weights=scale_N.to(x_SM.dtype), mode="sum")
     out = workspace.empty((token_N.shape[0], x_SM.shape[1]), x_SM.dtype, x_SM.device)
     buffer_NM = torch.index_select(x_SM, 0, token_N if full else token_N.clamp(min=0), out=out)
     if scale_N is not None:
@@ -281,6 +283,19 @@ def _bags(S: int, K: int) -> tuple[torch.Tensor, torch.Tensor]:
     with torch.inference_mode(False):
         return (torch.arange(0, S * K, K, device="cpu"),
                 torch.arange(S, device="cpu").repeat_interleave(K))
+
+
+_ranges = [torch.empty(0, dtype=torch.int64)]
+
+
+def _range(n: int) -> torch.Tensor:
+    """0, 1, ..., n - 1 on the CPU (one-row bags' offsets): a view of one kept range, made anew (a plain
+    CPU tensor, as `_bags`) only when a longer one is asked for, to the next power of two: the packed
+    layout's row count changes from step to step with the dropped choices."""
+    if _ranges[0].numel() < n:
+        with torch.inference_mode(False):
+            _ranges[0] = torch.arange(1 << (n - 1).bit_length(), device="cpu")
+    return _ranges[0][:n]
 
 
 def _bag_dots(grad_SM: torch.Tensor, buffer_NM: torch.Tensor, row_SK: torch.Tensor) -> torch.Tensor:

@@ -21,7 +21,7 @@ import threading
 
 import torch
 
-__all__ = ["clear", "empty", "empty_like", "held_bytes", "keep_freed_memory"]
+__all__ = ["allocator_reuses", "clear", "empty", "empty_like", "held_bytes", "keep_freed_memory"]
 
 _MIN_BYTES = 1 << 20  # below this, the allocator's own free lists are fast enough
 _KEPT_BYTES = 32 << 20  # below this, glibc tuned by _tune_malloc keeps and reuses freed chunks itself
@@ -66,6 +66,13 @@ def keep_freed_memory() -> bool:
     return _enabled() and _tune_malloc()
 
 
+def allocator_reuses(nbytes: int) -> bool:
+    """Whether torch.empty serves this many bytes on the CPU from memory it reuses without fresh pages
+    (small requests, or below 32 MiB with glibc tuned): where it does, ops that allocate their own
+    output are as cheap as `empty`; beyond, their outputs fault in anew on every step."""
+    return nbytes < _MIN_BYTES or (nbytes < _KEPT_BYTES and _enabled() and _tune_malloc())
+
+
 def _unused(storage: torch.UntypedStorage) -> bool:
     return torch._C._storage_Use_Count(storage._cdata) == 1
 
@@ -85,9 +92,9 @@ def empty(shape, dtype: torch.dtype, device: torch.device | str = "cpu") -> torc
     # so this, the common case, is decided in few steps (10 us a call, where the full checks took 14.5).
     if torch.compiler.is_compiling():
         return torch.empty(shape, dtype=dtype, device=device)
-    nbytes = math.prod(shape) * dtype.itemsize
-    if nbytes < _MIN_BYTES or (nbytes < _KEPT_BYTES and _enabled() and _tune_malloc()):
+    if allocator_reuses(math.prod(shape) * dtype.itemsize):
         return torch.empty(shape, dtype=dtype, device=device)
+    nbytes = math.prod(shape) * dtype.itemsize
     device = torch.device(device)
     if device.type != "cpu" or not _enabled():
         return torch.empty(shape, dtype=dtype, device=device)

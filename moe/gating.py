@@ -15,7 +15,6 @@ sigmoid scoring, an expert bias for auxiliary-loss-free balancing, group-limited
 weight normalisation and scaling; and every policy takes a `load_balancing_type` (moe.balancing).
 """
 
-import functools
 import math
 
 import torch
@@ -126,16 +125,16 @@ def expert_softmax(logits_SE: torch.Tensor) -> torch.Tensor:
     return F.softmax(padded_SX, dim=1).narrow(1, 0, num_experts).contiguous()
 
 
-@functools.cache
-def _cpu_capability() -> str:
-    return torch.backends.cpu.get_cpu_capability()
+# torch's CPU kernels in this process ("AVX2", "AVX512", "DEFAULT", ...; ATEN_CPU_CAPABILITY lowers
+# it): read once at import, a plain value that torch.compile traces through
+_CPU_CAPABILITY = torch.backends.cpu.get_cpu_capability()
 
 
 def _full_avx2_row(logits_SE: torch.Tensor) -> bool:
     """Rows of 8 fp32 logits under torch's AVX2 kernels: one full vector, whose softmax has the bits of
     the padded row (the padding's second vector adds zeros), at about a third of its cost (0.09 against
     0.25 ms at S = 4096 on a 2-core AMD EPYC with AVX2)."""
-    return logits_SE.shape[1] == 8 and logits_SE.dtype == torch.float32 and _cpu_capability() == "AVX2"
+    return logits_SE.shape[1] == 8 and logits_SE.dtype == torch.float32 and _CPU_CAPABILITY == "AVX2"
 
 
 def _neg_gumbel_like(t: torch.Tensor) -> torch.Tensor:

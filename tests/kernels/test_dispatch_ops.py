@@ -210,9 +210,10 @@ def test_eager_calls_launch_directly_and_traces_see_the_custom_ops(monkeypatch):
 
 
 def test_cpu_shortcuts_equal_the_general_path():
-    """On the CPU: a gather whose rows all have a token skips the clamp and the empty-row pass (and
-    scaled, in fp32 and float64, is an embedding bag of one row per bag); the weights' dots come from an embedding bag's per-sample-weight gradient; K = 0 has no bags. Each
-    against the plain formula."""
+    """On the CPU: a gather whose rows all have a token skips the clamp and the empty-row pass (scaled,
+    in fp32 and float64, it is an embedding bag of one row per bag; rows of no width keep the plain
+    path); the weights' dots come from an embedding bag's per-sample-weight gradient; K = 0 has no
+    bags. Each against the plain formula."""
     from kernels.rows import gather_rows, row_dots
 
     g = torch.Generator().manual_seed(5)
@@ -226,7 +227,13 @@ def test_cpu_shortcuts_equal_the_general_path():
             xd, scaled = x.to(dtype), scale.to(dtype)
             want = torch.where((token >= 0).unsqueeze(1), xd[token.clamp(min=0)] * scaled.unsqueeze(1), 0.0)
             assert torch.equal(gather_rows(xd, token, scaled), want)
-            assert torch.equal(gather_rows(xd, token, None), torch.where((token >= 0).unsqueeze(1), xd[token.clamp(min=0)], 0.0))
+            plain = torch.where((token >= 0).unsqueeze(1), xd[token.clamp(min=0)], 0.0)
+            assert torch.equal(gather_rows(xd, token, None), plain)
+    for n in (11, 3, 40):  # row counts that change from call to call (the packed layout's do, with dropping)
+        token = torch.randint(0, 7, (n,), generator=g)
+        weights = torch.rand(n, generator=g)
+        assert torch.equal(gather_rows(x, token, weights), x[token] * weights.unsqueeze(1))
+    assert gather_rows(x[:, :0], full, scale).shape == (11, 0)
     buffer = torch.randn(11, 6, generator=g)
     grad = torch.randn(7, 6, generator=g)
     rows = torch.randperm(11, generator=g)[:8].view(4, 2)
@@ -249,6 +256,13 @@ def test_cached_bags_are_plain_cpu_tensors_whoever_made_them_first():
         rows_module._bags(3, 2)
     with torch.inference_mode():
         rows_module._bags(5, 1)
+    rows_module._ranges[0] = torch.empty(0, dtype=torch.int64)
+    with torch.device("meta"), torch.inference_mode():
+        rows_module._range(5)
+    short, longer = rows_module._range(3), rows_module._range(9)  # one kept range, grown when too short
+    assert short.device.type == longer.device.type == "cpu" and not longer.is_inference()
+    assert short.tolist() == [0, 1, 2] and longer.tolist() == list(range(9))
+    assert rows_module._range(7).data_ptr() == longer.data_ptr()
     for S, K in ((3, 2), (5, 1)):
         offsets, bag = rows_module._bags(S, K)
         assert offsets.device.type == bag.device.type == "cpu" and not offsets.is_inference()

@@ -44,3 +44,10 @@ def test_requests_below_32_mib_go_to_glibc_once_it_keeps_freed_chunks():
         assert workspace.held_bytes() == 0, "a 4 MiB request was pooled although glibc keeps such chunks"
     else:
         assert workspace.held_bytes() >= 4 * 1024 * 1024
+
+
+def test_the_allocator_reuses_small_requests_and_not_the_largest():
+    """Below 1 MiB torch.empty is served from the allocator's free lists; at 32 MiB and beyond a fresh
+    request is page-faulted in, so ops that allocate their own output keep to the smaller sizes."""
+    assert workspace.allocator_reuses(1 << 10)
+    assert not workspace.allocator_reuses(64 << 20)

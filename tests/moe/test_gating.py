@@ -190,6 +190,9 @@ def test_expert_softmax_of_eight_experts_has_the_padded_rows_bits():
                         torch.randint(-2, 3, (512, 8)).float(), torch.randn(64, 8) * 1e-30])
     padded = F.softmax(F.pad(logits, (0, 8), value=float("-inf")), dim=1).narrow(1, 0, 8)
     assert torch.equal(expert_softmax(logits), padded)
+    # the kernels' capability is a plain value read at import: a compiled gate traces through it in one graph
+    compiled = torch.compile(expert_softmax, backend="eager", fullgraph=True)
+    assert torch.equal(compiled(logits[:64]), expert_softmax(logits[:64]))
 
 
 _KERNEL_GATES = """
