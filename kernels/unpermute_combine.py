@@ -12,7 +12,8 @@ CUDA, torch index ops elsewhere) live in kernels.rows.
 import torch
 
 from kernels.backend import use_triton
-from kernels.rows import accumulation_dtype, combine_rows, fused_dots, gather_rows, row_dots, scatter_kept, source_tokens
+from kernels.rows import (accumulation_dtype, combine_rows, fused_dots, gather_rows, row_dots, scatter_kept,
+                          source_tokens)
 
 __all__ = ["unpermute_combine", "unpermute_combine_reference"]
 

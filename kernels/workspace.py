@@ -92,9 +92,9 @@ def empty(shape, dtype: torch.dtype, device: torch.device | str = "cpu") -> torc
     # so this, the common case, is decided in few steps (10 us a call, where the full checks took 14.5).
     if torch.compiler.is_compiling():
         return torch.empty(shape, dtype=dtype, device=device)
-    if allocator_reuses(math.prod(shape) * dtype.itemsize):
-        return torch.empty(shape, dtype=dtype, device=device)
     nbytes = math.prod(shape) * dtype.itemsize
+    if allocator_reuses(nbytes):
+        return torch.empty(shape, dtype=dtype, device=device)
     device = torch.device(device)
     if device.type != "cpu" or not _enabled():
         return torch.empty(shape, dtype=dtype, device=device)
