@@ -285,7 +285,7 @@ def _bags(S: int, K: int) -> tuple[torch.Tensor, torch.Tensor]:
                 torch.arange(S, device="cpu").repeat_interleave(K))
 
 
-_ranges = [torch.empty(0, dtype=torch.int64)]
+_ranges = [torch.empty(0, dtype=torch.int64, device="cpu")]
 
 
 def _range(n: int) -> torch.Tensor:

@@ -256,7 +256,7 @@ def test_cached_bags_are_plain_cpu_tensors_whoever_made_them_first():
         rows_module._bags(3, 2)
     with torch.inference_mode():
         rows_module._bags(5, 1)
-    rows_module._ranges[0] = torch.empty(0, dtype=torch.int64)
+    rows_module._ranges[0] = torch.empty(0, dtype=torch.int64, device="cpu")
     with torch.device("meta"), torch.inference_mode():
         rows_module._range(5)
     short, longer = rows_module._range(3), rows_module._range(9)  # one kept range, grown when too short
