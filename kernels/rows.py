@@ -186,7 +186,7 @@ def gather_rows(x_SM: torch.Tensor, token_N: torch.Tensor, scale_N: torch.Tensor
         # the same products, a negative zero aside (a bag's sum starts from +0). The bag allocates its
         # own output: only where the allocator reuses memory (larger ones stay in the workspace)
         return F.embedding_bag(token_N, x_SM, _range(num_rows), per_sample_weights=scale_N.to(x_SM.dtype), mode="sum")
-    out = workspace.empty((token_N.shape[0], x_SM.shape[1]), x_SM.dtype, x_SM.device)
+    out = workspace.empty((num_rows, width), x_SM.dtype, x_SM.device)
     buffer_NM = torch.index_select(x_SM, 0, token_N if full else token_N.clamp(min=0), out=out)
     if scale_N is not None:
         buffer_NM.mul_(scale_N.to(buffer_NM.dtype).unsqueeze(1))
