@@ -55,13 +55,17 @@ def _worker(rank, world_size, port, fn, args, results, environ):
             dist.destroy_process_group()
 
 
-def run_distributed(fn, world_size: int, *args, timeout_s: float = 240.0) -> None:
+def run_distributed(fn, world_size: int, *args, timeout_s: float = 240.0, fresh: bool = False) -> None:
     """Start `world_size` processes running fn(rank, world_size, *args) in a gloo group.
+
+    fresh=True starts each rank in a new interpreter (spawn), which imports the project under the
+    caller's environment at the call: for settings read at import, such as TRITON_INTERPRET, which
+    the fork server took from its own start.
 
     Raises:
         AssertionError: naming the first rank that failed, with its traceback, or the ranks that timed out.
     """
-    if sys.platform == "linux":
+    if sys.platform == "linux" and not fresh:
         context = mp.get_context("forkserver")
         context.set_forkserver_preload(_PRELOAD)
     else:  # a fresh interpreter per rank

@@ -86,10 +86,6 @@ def test_padded_and_grouped_layers_run_forward_and_backward_on_meta(compute, mon
 
 
 def _expert_parallel_syncs(rank, world_size):
-    import os
-
-    os.environ["MOE_KERNELS"] = "triton"
-    os.environ["TRITON_INTERPRET"] = "1"
     reset_groups()
     for compute, kwargs in (("grouped", {}), ("packed", {}), ("grouped", dict(dropless=True)), ("padded", {}),
                             ("grouped", dict(exchange="per_rank")), ("packed", dict(exchange="per_rank"))):
@@ -100,5 +96,9 @@ def _expert_parallel_syncs(rank, world_size):
             assert syncs == ["tolist"], (compute, kwargs, syncs)
 
 
-def test_expert_parallel_layouts_make_one_sync_per_layer():
-    run_distributed(_expert_parallel_syncs, 2)
+def test_expert_parallel_layouts_make_one_sync_per_layer(monkeypatch):
+    # Triton reads TRITON_INTERPRET when its kernels are defined: ranks in fresh interpreters import
+    # the project with it set, also on a GPU machine, where this process and the fork server compile
+    monkeypatch.setenv("MOE_KERNELS", "triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    run_distributed(_expert_parallel_syncs, 2, fresh=True)
