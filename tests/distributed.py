@@ -7,7 +7,8 @@ rank, and tests/optim/test_buckets.py 10 s against 53 s, on a 2-core AMD EPYC. T
 clean single-threaded process, so forking it is safe where forking the test process (with its
 OpenMP threads) would not be. Each rank takes the caller's environment as it is at the call and a
 fresh random seed, as a spawned process would. What differs from spawn: settings read when a library
-loads (OMP_NUM_THREADS, TORCHINDUCTOR_*, TMPDIR) are those of the fork server's start, ranks print
+loads (OMP_NUM_THREADS, TORCHINDUCTOR_*, TMPDIR, TRITON_INTERPRET) are those of the fork server's
+start (`fresh=True` starts ranks that import under the caller's environment instead), ranks print
 to the fork server's stdout and stderr (capfd does not see them), and the arguments may hold at most
 about 250 tensor storages (one file descriptor each).
 """

@@ -51,6 +51,25 @@ def test_a_variable_the_caller_removed_is_gone_from_ranks_forked_later():
     assert done.returncode == 0, done.stderr[-3000:]
 
 
+# read when a process imports this module: in a rank, as the environment was when the rank imported it
+_AT_IMPORT = os.environ.get("MOE_HELPER_AT_IMPORT")
+
+
+def _check_seen_at_import(rank, world_size, expected):
+    assert _AT_IMPORT == expected, (_AT_IMPORT, expected)
+
+
+def test_fresh_ranks_import_under_the_callers_environment(monkeypatch):
+    monkeypatch.delenv("MOE_HELPER_AT_IMPORT", raising=False)
+    run_distributed(_noop, 2)  # the fork server (on Linux) has started without the variable
+    monkeypatch.setenv("MOE_HELPER_AT_IMPORT", "at the call")
+    run_distributed(_check_seen_at_import, 2, "at the call", fresh=True)
+    if sys.platform == "linux":  # ranks from the fork server import under its environment, not the caller's
+        run_distributed(_check_seen_at_import, 2, None)
+    with pytest.raises(AssertionError, match=r"(?s)rank 1 failed:.*ValueError: rank one's own error"):
+        run_distributed(_fail_on_rank_1, 2, fresh=True)
+
+
 def _write_seed(rank, world_size, folder, call):
     Path(folder, f"{call}-{rank}").write_text(str(torch.initial_seed()))
 

@@ -97,8 +97,10 @@ def _expert_parallel_syncs(rank, world_size):
 
 
 def test_expert_parallel_layouts_make_one_sync_per_layer(monkeypatch):
-    # Triton reads TRITON_INTERPRET when its kernels are defined: ranks in fresh interpreters import
-    # the project with it set, also on a GPU machine, where this process and the fork server compile
+    # Triton's own @jit helpers (tl.zeros, ...) are interpreted or compiled as TRITON_INTERPRET was at
+    # `import triton`: ranks in fresh interpreters import it with the variable set, also on a GPU
+    # machine, where this process and the fork server imported it compiled
     monkeypatch.setenv("MOE_KERNELS", "triton")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.delenv("MOE_SYNC_CHECKS", raising=False)
     run_distributed(_expert_parallel_syncs, 2, fresh=True)
