@@ -9,6 +9,7 @@ as their current keys and listed once in a DeprecationWarning. After parsing, no
 
 import argparse
 import dataclasses
+import inspect
 import json
 import os
 import types
@@ -292,6 +293,50 @@ def _convert(hint, value, path: str, ignored: list[str]):
     if not isinstance(value, hint) or (hint is int and isinstance(value, bool)):
         raise TypeError(f"{path} must be {_type_name(hint)}, got {type(value).__name__} {value!r}")
     return value
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _of_kind(value, default, per_group: bool) -> str | None:
+    """What `value` should be, judged by the parameter's default, where it is not that; else None."""
+    if isinstance(default, bool):
+        return None if isinstance(value, bool) else "true or false"
+    if _number(default) and per_group:  # a number, or one per param group
+        fits = _number(value) or (isinstance(value, (list, tuple)) and value and all(map(_number, value)))
+        return None if fits else "a number (or a list of one per param group)"
+    if _number(default):
+        return None if _number(value) else "a number"
+    if isinstance(default, tuple) and all(map(_number, default)):
+        fits = isinstance(value, (list, tuple)) and len(value) == len(default) and all(map(_number, value))
+        return None if fits else f"a list of {len(default)} numbers"
+    if isinstance(default, str):
+        return None if isinstance(value, str) else "a string"
+    return None
+
+
+def accepted_params(fn, skip: set[str]) -> dict:
+    """The keyword parameters of `fn` (a class's __init__, say) less `skip`, by name."""
+    return {name: p for name, p in inspect.signature(fn).parameters.items()
+            if name not in skip and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+
+
+def check_params(prefix: str, owner: str, fn, params: dict, skip: set[str], per_group: bool = False) -> None:
+    """Each key of `params` is a parameter of `fn` (less `skip`) and of the kind its default is
+    (with `per_group`, a number may also be a list of one per param group).
+
+    Raises:
+        ValueError: an unknown key, naming prefix.key and the valid ones.
+        TypeError: a value of another kind than the default's (a string for a number, say), naming prefix.key.
+    """
+    accepted = accepted_params(fn, skip)
+    for key, value in params.items():
+        if key not in accepted:
+            raise ValueError(f"unknown config key {prefix}.{key} for {owner}; valid: {', '.join(sorted(accepted))}")
+        wanted = _of_kind(value, accepted[key].default, per_group)
+        if wanted:
+            raise TypeError(f"{prefix}.{key} for {owner} must be {wanted}, got {type(value).__name__} {value!r}")
 
 
 def _parse(cls, data, path: str, ignored: list[str]):

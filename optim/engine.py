@@ -13,7 +13,6 @@ which instead scales the loss itself (and so also covers loss terms that bypass 
 """
 
 import contextlib
-import inspect
 import os
 import time
 import warnings
@@ -25,7 +24,7 @@ from torch.utils._pytree import tree_map
 
 from optim import checkpoint, fsdp
 from optim.buckets import GradientBuckets, release_hooks
-from optim.config import EngineConfig, parse_config
+from optim.config import EngineConfig, accepted_params, check_params, parse_config
 from optim.memory import model_state_bytes
 from optim.monitor import Monitor, StepStats
 from optim.scaler import LossScaler, LossScalerConfig
@@ -86,6 +85,15 @@ def _split_expert_groups(groups: list[dict], infos: dict) -> list[dict]:
     return out
 
 
+_OPTIMIZERS = {"adam": torch.optim.AdamW, "adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}
+
+
+def optimizer_params(kind: str) -> set[str]:
+    """The config keys optimizer.params takes for the optimizer type `kind` (Adam, AdamW or SGD, any case)."""
+    extra = {"adam_w_mode", "torch_adam"} if kind.lower() == "adam" else set()
+    return set(accepted_params(_OPTIMIZERS[kind.lower()].__init__, {"self", "params"})) | extra
+
+
 def _build_optimizer(config: EngineConfig, optimizer, defaults: dict, groups: list[dict]) -> torch.optim.Optimizer:
     if isinstance(optimizer, torch.optim.Optimizer):
         return type(optimizer)(groups, **defaults)
@@ -99,12 +107,8 @@ def _build_optimizer(config: EngineConfig, optimizer, defaults: dict, groups: li
         cls = torch.optim.AdamW if params.pop("adam_w_mode", True) else torch.optim.Adam
         params.pop("torch_adam", None)
     else:
-        cls = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}[kind]
-    accepted = set(inspect.signature(cls.__init__).parameters) - {"self", "params"}
-    for key in params:
-        if key not in accepted:
-            raise ValueError(f"unknown config key optimizer.params.{key} for {config.optimizer.type}; "
-                             f"valid: {', '.join(sorted(accepted))}")
+        cls = _OPTIMIZERS[kind]
+    check_params("optimizer.params", config.optimizer.type, cls.__init__, params, {"self", "params"})
     if "betas" in params:
         params["betas"] = tuple(params["betas"])
     if cls is not torch.optim.SGD and "fused" not in params and "foreach" not in params:

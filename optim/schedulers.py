@@ -5,10 +5,11 @@ sets every param group's lr (OneCycle also beta1). As in DeepSpeed, building a s
 of iteration 0 at once, and `step()` advances by one. Per-group values may be given as lists.
 """
 
-import inspect
 import math
 
 import torch
+
+from optim.config import accepted_params, check_params
 
 __all__ = ["build_scheduler"]
 
@@ -225,13 +226,27 @@ class LRRangeTest(_Schedule):
 _SCHEDULES = {cls.__name__: cls for cls in (WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle, LRRangeTest)}
 
 
+def scheduler_params(name: str) -> set[str]:
+    """The config keys scheduler.params takes for the schedule `name` (any case).
+
+    Raises:
+        KeyError: no such schedule.
+    """
+    cls = next((c for key, c in _SCHEDULES.items() if key.lower() == name.lower()), None)
+    if cls is None:
+        raise KeyError(name)
+    return set(accepted_params(cls.__init__, {"self", "optimizer"}))
+
+
 def build_scheduler(name: str, optimizer: torch.optim.Optimizer, params: dict) -> _Schedule:
-    """The schedule `name` over `optimizer`; a bad or unknown parameter raises naming scheduler.params.<key>."""
+    """The schedule `name` over `optimizer`.
+
+    Raises:
+        ValueError: an unknown parameter, or values the schedule refuses; TypeError: a parameter of
+            the wrong kind (a string for a number). Each names scheduler.params.<key> where it can.
+    """
     cls = _SCHEDULES[name]
-    accepted = set(inspect.signature(cls.__init__).parameters) - {"self", "optimizer"}
-    for key in params:
-        if key not in accepted:
-            raise ValueError(f"unknown config key scheduler.params.{key} for {name}; valid: {', '.join(sorted(accepted))}")
+    check_params("scheduler.params", name, cls.__init__, params, {"self", "optimizer"}, per_group=True)
     try:
         return cls(optimizer, **params)
     except TypeError as error:

@@ -76,10 +76,9 @@ def engine_fragments(cfg: CifarConfig) -> dict[str, dict]:
     """The tutorial's engine config, entry by entry, keyed by the flag that sets it."""
     return {
         "batch_size": {"train_micro_batch_size_per_gpu": cfg.batch_size, "gradient_accumulation_steps": 1},
-        "lr": {"optimizer": {"type": "Adam", "params": {"lr": cfg.lr, "betas": [0.8, 0.999], "eps": 1e-8,
-                                                          "weight_decay": 3e-7}},
-               "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": cfg.lr,
-                                                             "warmup_num_steps": 1000}}},
+        "optimizer": {"optimizer": {"type": "Adam", "params": {"betas": [0.8, 0.999], "eps": 1e-8, "weight_decay": 3e-7}},
+                      "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_num_steps": 1000}}},
+        "lr": {"optimizer": {"params": {"lr": cfg.lr}}, "scheduler": {"params": {"warmup_max_lr": cfg.lr}}},
         "dtype": {"bf16": {"enabled": cfg.dtype == "bf16"},
                   "fp16": {"enabled": cfg.dtype == "fp16", "initial_scale_power": 15}},
         "stage": {"zero_optimization": {"stage": cfg.stage}, "gradient_clipping": 1.0, "steps_per_print": 10**9},
@@ -260,7 +259,7 @@ def train(cfg: CifarConfig, given: set[str], rank: int, world: int) -> dict:
             {"params": list(model.parameters()), "name": "parameters"}) if cfg.moe_param_group else None
         engine, *_ = initialize(model, model_parameters=params,
                                 config=engine_config(engine_fragments(cfg), given, cfg.config))
-    except (OSError, ValueError) as error:
+    except (OSError, TypeError, ValueError) as error:  # TypeError: a config value of the wrong type
         raise SetupError(str(error)) from None
     first_epoch, path = 0, None
     if cfg.resume:

@@ -17,6 +17,8 @@ import sys
 import torch.distributed as dist
 
 from optim import read_client_state
+from optim.engine import optimizer_params
+from optim.schedulers import scheduler_params
 from parallel import accelerator_name
 
 
@@ -79,11 +81,18 @@ def flag_names(message: str, config_class) -> str:
     the model's layers name their Python arguments, the user wrote flags. Only names with an underscore
     are rewritten (plain words such as dense or routing stay words), and not inside paths or
     attribute names. For the model's own errors only: engine-config errors name JSON keys."""
-    names = sorted((f.name for f in dataclasses.fields(config_class) if "_" in f.name), key=len, reverse=True)
+    fields = {f.name for f in dataclasses.fields(config_class)}
+    flags = {name: name for name in fields if "_" in name}
+    flags.update({alias: name for alias, name in _MODEL_ARGUMENTS.items() if name in fields})
+    names = sorted(flags, key=len, reverse=True)
     if not names:
         return message
     pattern = re.compile(r"(?<![\w\-/.\\'\"])(" + "|".join(map(re.escape, names)) + r")(?![\w\-/\\]|\.\w)")
-    return pattern.sub(lambda match: "--" + match.group(1).replace("_", "-"), message)
+    return pattern.sub(lambda match: "--" + flags[match.group(1)].replace("_", "-"), message)
+
+
+# the model's argument names where the recipes' flag differs: the model's ep_size is --ep-world-size
+_MODEL_ARGUMENTS = {"ep_size": "ep_world_size"}
 
 
 def built(make, config_class):
@@ -196,8 +205,43 @@ def merge(base: dict, override: dict) -> dict:
     return out
 
 
+def _type_of(config: dict, block: str) -> str | None:
+    entry = config.get(block)
+    kind = entry.get("type") if isinstance(entry, dict) else None
+    return kind.lower() if isinstance(kind, str) else None
+
+
+def _params_taken(block: str, kind: str) -> set[str] | None:
+    """The params an optimizer or scheduler of type `kind` takes; None for a type the engine will refuse."""
+    try:
+        return optimizer_params(kind) if block == "optimizer" else scheduler_params(kind)
+    except KeyError:
+        return None
+
+
+_TYPED = ("optimizer", "scheduler")  # blocks whose params belong to their type
+
+
+def _written_onto(fragment: dict, config: dict, defaults: dict) -> dict:
+    """A written flag's entries, less what does not fit an optimizer or scheduler of another type than
+    the recipe's (from the JSON file): that type stays, and only the params it takes are set."""
+    out = dict(fragment)
+    for block in _TYPED:
+        kind = _type_of(config, block)
+        if block not in fragment or kind == _type_of(defaults, block):
+            continue
+        taken = _params_taken(block, kind)
+        params = fragment[block].get("params", {})
+        out[block] = {"params": {k: v for k, v in params.items() if taken is None or k in taken}}
+    return out
+
+
 def engine_config(fragments: dict[str, dict], given: set[str], json_path: str) -> dict:
     """The engine config: flag defaults, then the JSON file, then the flags written on the command line.
+
+    An optimizer or scheduler block in the JSON file of another type than the recipe's replaces the
+    recipe's whole (its params are that type's); a flag written on the command line then sets only
+    the params of its block that this type takes, and never the type.
 
     Args:
         fragments: per flag destination, the nested config entries it sets.
@@ -215,9 +259,13 @@ def engine_config(fragments: dict[str, dict], given: set[str], json_path: str) -
                 raise ValueError(f"--config {json_path} is not valid JSON: {error}") from None
         if not isinstance(loaded, dict):
             raise ValueError(f"--config {json_path} must hold a JSON object of engine settings")
+        defaults = config
+        for block in _TYPED:
+            if _type_of(loaded, block) not in (None, _type_of(defaults, block)):
+                config = {key: value for key, value in config.items() if key != block}
         config = merge(config, loaded)
-        for name in given & fragments.keys():
-            config = merge(config, fragments[name])
+        for name in sorted(given & fragments.keys()):
+            config = merge(config, _written_onto(fragments[name], config, defaults))
     return config
 
 

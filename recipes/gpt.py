@@ -123,9 +123,11 @@ def engine_fragments(cfg: TrainConfig) -> dict[str, dict]:
     return {
         "batch_size": {"train_micro_batch_size_per_gpu": cfg.batch_size},
         "gradient_accumulation_steps": {"gradient_accumulation_steps": cfg.gradient_accumulation_steps},
-        "lr": {"optimizer": {"type": "AdamW", "params": {"lr": cfg.lr, "betas": [0.9, 0.95]}}},
+        "optimizer": {"optimizer": {"type": "AdamW", "params": {"betas": [0.9, 0.95]}}},  # no flag's: defaults
+        "lr": {"optimizer": {"params": {"lr": cfg.lr}}},
         "weight_decay": {"optimizer": {"params": {"weight_decay": cfg.weight_decay}}},
-        "steps": {"scheduler": {"type": "WarmupCosineLR", "params": {"total_num_steps": cfg.steps}}},
+        "scheduler": {"scheduler": {"type": "WarmupCosineLR"}},  # no flag's: a default
+        "steps": {"scheduler": {"params": {"total_num_steps": cfg.steps}}},
         "warmup_steps": {"scheduler": {"params": {"warmup_num_steps": cfg.warmup_steps}}},
         "min_lr_ratio": {"scheduler": {"params": {"cos_min_ratio": cfg.min_lr_ratio}}},
         "gradient_clipping": {"gradient_clipping": cfg.gradient_clipping},
@@ -237,7 +239,7 @@ def train(cfg: TrainConfig, given: set[str], rank: int, world: int) -> dict:
             {"params": list(model.parameters()), "name": "dense"})
         engine, *_ = initialize(model, model_parameters=groups, config=engine_config(engine_fragments(cfg), given,
                                                                                      cfg.config))
-    except (OSError, ValueError) as error:
+    except (OSError, TypeError, ValueError) as error:  # TypeError: a config value of the wrong type
         raise SetupError(str(error)) from None
     unigram = unigram_baseline(train_tokens, val_tokens)
     first_step, path = 0, None

@@ -61,6 +61,25 @@ def test_bad_optimizer_and_scheduler_params_fail_before_training():
         initialize(Net(), config={"train_batch_size": 4})
 
 
+def test_optimizer_and_scheduler_params_of_the_wrong_kind_name_their_key():
+    def build(optimizer_params, scheduler_params):
+        return initialize(Net(), config={"train_batch_size": 4, "optimizer": {"type": "AdamW", "params": optimizer_params},
+                                         "scheduler": {"type": "WarmupLR", "params": scheduler_params}})
+    for optimizer_params, scheduler_params, match in [
+        ({"lr": "fast"}, {}, r"optimizer.params.lr for AdamW must be a number, got str 'fast'"),
+        ({"lr": [0.1, 0.2]}, {}, r"optimizer.params.lr for AdamW must be a number, got list"),
+        ({"betas": [0.9]}, {}, r"optimizer.params.betas for AdamW must be a list of 2 numbers"),
+        ({"amsgrad": 1}, {}, r"optimizer.params.amsgrad for AdamW must be true or false, got int 1"),
+        ({}, {"warmup_num_steps": "ten"}, r"scheduler.params.warmup_num_steps for WarmupLR must be a number"),
+        ({}, {"warmup_type": 3}, r"scheduler.params.warmup_type for WarmupLR must be a string, got int 3"),
+    ]:
+        with pytest.raises(TypeError, match=match):
+            build(optimizer_params, scheduler_params)
+    # what DeepSpeed takes still builds: ints for floats, a value per param group, lists for tuples
+    engine, *_ = build({"lr": 1, "betas": [0.9, 0.99], "fused": False}, {"warmup_max_lr": [0.01, 0.02], "warmup_num_steps": 2.0})
+    assert engine.optimizer.param_groups[0]["betas"] == (0.9, 0.99)
+
+
 def test_json_path_and_compatibility_keys_warn_once(tmp_path):
     path = tmp_path / "ds.json"
     path.write_text(json.dumps({"train_batch_size": 4, "zero_optimization": {"stage": 2, "overlap_comm": True,

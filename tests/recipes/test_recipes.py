@@ -1,6 +1,7 @@
 """The GPT and CIFAR recipes at tiny sizes: the loss falls, TensorBoard gets every statistic, resume continues."""
 
 import dataclasses
+import math
 import os
 import pathlib
 import pickle
@@ -16,7 +17,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from kernels import gemm
 from moe import TopKGate
 from recipes import bench_gpt, cifar, compare_dense_moe, gpt, runner
-from recipes.cli import saved_recipe
+from recipes.cli import engine_config, saved_recipe
 from recipes.gpt_model import GPT
 
 CIFAR_JSON = pathlib.Path(cifar.__file__).parent / "configs" / "cifar.json"
@@ -451,6 +452,47 @@ def test_bad_data_and_config_files_stop_with_one_line(tmp_path, capsys):
         assert code == 2 and len(err.splitlines()) == 1 and message in err, err
 
 
+def test_a_config_of_another_optimizer_or_schedule_keeps_its_type_and_takes_the_written_flags(tmp_path):
+    warmup = tmp_path / "warmup.json"
+    warmup.write_text('{"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 10}},'
+                      ' "optimizer": {"type": "SGD", "params": {"lr": 0.5, "momentum": 0.9}}}')
+    cfg = gpt.TrainConfig(steps=2, warmup_steps=3, lr=0.25)
+    fragments = gpt.engine_fragments(cfg)
+    quiet = engine_config(fragments, set(), str(warmup))  # the JSON's blocks whole: no AdamW betas, no cosine keys
+    assert quiet["scheduler"] == {"type": "WarmupLR", "params": {"warmup_num_steps": 10}}
+    assert quiet["optimizer"] == {"type": "SGD", "params": {"lr": 0.5, "momentum": 0.9}}
+    written = engine_config(fragments, {"steps", "warmup_steps", "min_lr_ratio", "lr", "weight_decay"}, str(warmup))
+    # the flags set what these types take (warmup steps, lr, weight decay), never the type
+    assert written["scheduler"] == {"type": "WarmupLR", "params": {"warmup_num_steps": 3}}
+    assert written["optimizer"] == {"type": "SGD", "params": {"lr": 0.25, "momentum": 0.9, "weight_decay": 0.1}}
+    # a config of the recipe's own types still merges key by key, and a written --lr leaves its betas
+    cosine = engine_config(fragments, {"lr"}, str(CIFAR_JSON))
+    assert cosine["optimizer"] == {"type": "Adam", "params": {"lr": 0.25, "betas": [0.8, 0.999], "eps": 1e-8,
+                                                              "weight_decay": 3e-7}}
+    assert cosine["scheduler"]["type"] == "WarmupLR"  # cifar.json's, where the GPT recipe's is WarmupCosineLR
+    assert engine_config(fragments, set(), "") == engine_config(fragments, {"lr", "steps"}, "")
+    # and the runs: the tutorial's config in the GPT recipe, a WarmupLR config with --steps
+    for config in (CIFAR_JSON, warmup):
+        result = gpt.main(GPT_TINY + ["--steps", "2", "--config", str(config), "--log-dir", str(tmp_path)])
+        assert result["history"]["train"] and all(math.isfinite(loss) for _, loss in result["history"]["train"])
+
+
+@pytest.mark.parametrize("entry, message", [
+    ('{"train_batch_size": "32"}', "train_batch_size must be int, got str '32'"),
+    ('{"optimizer": {"params": {"lr": "fast"}}}', "optimizer.params.lr for AdamW must be a number, got str 'fast'"),
+    ('{"scheduler": {"params": {"warmup_num_steps": "ten"}}}',
+     "scheduler.params.warmup_num_steps for WarmupCosineLR must be a number (or a list of one per param group), "
+     "got str 'ten'"),
+    ('{"optimizer": {"params": {"betas": [0.9]}}}', "optimizer.params.betas for AdamW must be a list of 2 numbers"),
+])
+def test_a_config_value_of_the_wrong_type_stops_with_one_line_naming_its_key(tmp_path, capsys, entry, message):
+    config = tmp_path / "engine.json"
+    config.write_text(entry)
+    unwritten = GPT_TINY[:GPT_TINY.index("--lr")]  # written --lr and --warmup-steps would override the file
+    code, err = _gpt_exit(unwritten + ["--steps", "1", "--config", str(config), "--log-dir", str(tmp_path)], capsys)
+    assert code == 2 and len(err.splitlines()) == 1 and message in err, err
+
+
 def test_a_corrupt_latest_or_manifest_is_named(tmp_path, capsys):
     folder = tmp_path / "ckpt"
     gpt.main(GPT_TINY + ["--steps", "1", "--log-dir", str(tmp_path), "--checkpoint-dir", str(folder)])
@@ -527,3 +569,6 @@ def test_flag_names_rewrites_field_names_but_not_paths_attributes_or_quoted_keys
         "--n-embd (30) must be divisible by --n-head (4)."
     for untouched in ("/data/log_dir/run_name/x", "cfg.top_k", "'top_k'", "routing must be ...", "top_kx"):
         assert flag_names(untouched, gpt.TrainConfig) == untouched
+    # the model's ep_size is the recipes' --ep-world-size
+    assert flag_names("num_experts (6) must be divisible by ep_size (4)", gpt.TrainConfig) == \
+        "--num-experts (6) must be divisible by --ep-world-size (4)"
