@@ -4,11 +4,10 @@
 """
 
 from optim.checkpoint import read_client_state
-from optim.config import EngineConfig, add_config_arguments, parse_config
+from optim.config import ConfigTypeError, EngineConfig, add_config_arguments, parse_config
 from optim.engine import Engine, initialize
 from optim.monitor import Monitor
 from optim.scaler import LossScaler, LossScalerConfig
 
-__all__ = ["Engine", "EngineConfig", "LossScaler", "LossScalerConfig", "Monitor", "add_config_arguments", "initialize",
-           "parse_config",
-           "read_client_state"]
+__all__ = ["ConfigTypeError", "Engine", "EngineConfig", "LossScaler", "LossScalerConfig", "Monitor",
+           "add_config_arguments", "initialize", "parse_config", "read_client_state"]

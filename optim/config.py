@@ -11,6 +11,7 @@ import argparse
 import dataclasses
 import inspect
 import json
+import numbers
 import os
 import types
 import typing
@@ -291,21 +292,36 @@ def _convert(hint, value, path: str, ignored: list[str]):
     if hint is int and isinstance(value, float) and value.is_integer():
         return int(value)
     if not isinstance(value, hint) or (hint is int and isinstance(value, bool)):
-        raise TypeError(f"{path} must be {_type_name(hint)}, got {type(value).__name__} {value!r}")
+        raise ConfigTypeError(f"{path} must be {_type_name(hint)}, got {type(value).__name__} {value!r}")
     return value
 
 
+class ConfigTypeError(TypeError):
+    """A config value of the wrong type, named by its key (a TypeError, so callers catching that still do)."""
+
+
 def _number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if isinstance(value, bool):
+        return False
+    return isinstance(value, numbers.Real) or (hasattr(value, "numel") and value.numel() == 1)  # a 1-element tensor
 
 
-def _of_kind(value, default, per_group: bool) -> str | None:
-    """What `value` should be, judged by the parameter's default, where it is not that; else None."""
+_PER_GROUP = "a number (or a list of one per param group)"
+
+
+def _wanted(value, param: inspect.Parameter, per_group: bool) -> str | None:
+    """What `value` should be, judged by the parameter's default (or, with none, its annotation), where it
+    is not that; else None. per_group: the parameter takes a number or a list of one per param group."""
+    default = param.default
+    if default is param.empty:
+        annotation = param.annotation
+        annotation = annotation if isinstance(annotation, str) else getattr(annotation, "__name__", "")
+        default = 0 if annotation in ("int", "float") or per_group else None
     if isinstance(default, bool):
         return None if isinstance(value, bool) else "true or false"
-    if _number(default) and per_group:  # a number, or one per param group
+    if _number(default) and per_group:
         fits = _number(value) or (isinstance(value, (list, tuple)) and value and all(map(_number, value)))
-        return None if fits else "a number (or a list of one per param group)"
+        return None if fits else _PER_GROUP
     if _number(default):
         return None if _number(value) else "a number"
     if isinstance(default, tuple) and all(map(_number, default)):
@@ -322,26 +338,26 @@ def accepted_params(fn, skip: set[str]) -> dict:
             if name not in skip and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
 
 
-def check_params(prefix: str, owner: str, fn, params: dict, skip: set[str], per_group: bool = False) -> None:
-    """Each key of `params` is a parameter of `fn` (less `skip`) and of the kind its default is
-    (with `per_group`, a number may also be a list of one per param group).
+def check_params(prefix: str, owner: str, fn, params: dict, skip: set[str], per_group: frozenset = frozenset()) -> None:
+    """Each key of `params` is a parameter of `fn` (less `skip`) and of the kind its default (or, where
+    it has none, its annotation) is; the names in `per_group` also take a list of one per param group.
 
     Raises:
         ValueError: an unknown key, naming prefix.key and the valid ones.
-        TypeError: a value of another kind than the default's (a string for a number, say), naming prefix.key.
+        ConfigTypeError: a value of another kind (a string for a number, say), naming prefix.key.
     """
     accepted = accepted_params(fn, skip)
     for key, value in params.items():
         if key not in accepted:
             raise ValueError(f"unknown config key {prefix}.{key} for {owner}; valid: {', '.join(sorted(accepted))}")
-        wanted = _of_kind(value, accepted[key].default, per_group)
+        wanted = _wanted(value, accepted[key], key in per_group)
         if wanted:
-            raise TypeError(f"{prefix}.{key} for {owner} must be {wanted}, got {type(value).__name__} {value!r}")
+            raise ConfigTypeError(f"{prefix}.{key} for {owner} must be {wanted}, got {type(value).__name__} {value!r}")
 
 
 def _parse(cls, data, path: str, ignored: list[str]):
     if not isinstance(data, dict):
-        raise TypeError(f"{path or 'config'} must be a JSON object, got {type(data).__name__}")
+        raise ConfigTypeError(f"{path or 'config'} must be a JSON object, got {type(data).__name__}")
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
     prefix = f"{path}." if path else ""

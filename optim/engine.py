@@ -24,7 +24,7 @@ from torch.utils._pytree import tree_map
 
 from optim import checkpoint, fsdp
 from optim.buckets import GradientBuckets, release_hooks
-from optim.config import EngineConfig, accepted_params, check_params, parse_config
+from optim.config import ConfigTypeError, EngineConfig, accepted_params, check_params, parse_config
 from optim.memory import model_state_bytes
 from optim.monitor import Monitor, StepStats
 from optim.scaler import LossScaler, LossScalerConfig
@@ -90,8 +90,10 @@ _OPTIMIZERS = {"adam": torch.optim.AdamW, "adamw": torch.optim.AdamW, "sgd": tor
 
 def optimizer_params(kind: str) -> set[str]:
     """The config keys optimizer.params takes for the optimizer type `kind` (Adam, AdamW or SGD, any case)."""
-    extra = {"adam_w_mode", "torch_adam"} if kind.lower() == "adam" else set()
-    return set(accepted_params(_OPTIMIZERS[kind.lower()].__init__, {"self", "params"})) | extra
+    kind = kind.lower()
+    classes = (torch.optim.AdamW, torch.optim.Adam) if kind == "adam" else (_OPTIMIZERS[kind],)
+    taken = set().union(*(accepted_params(cls.__init__, {"self", "params"}) for cls in classes))
+    return taken | ({"adam_w_mode", "torch_adam"} if kind == "adam" else set())
 
 
 def _build_optimizer(config: EngineConfig, optimizer, defaults: dict, groups: list[dict]) -> torch.optim.Optimizer:
@@ -104,6 +106,10 @@ def _build_optimizer(config: EngineConfig, optimizer, defaults: dict, groups: li
     params = dict(config.optimizer.params)
     kind = config.optimizer.type.lower()
     if kind == "adam":
+        for key in ("adam_w_mode", "torch_adam"):  # DeepSpeed's own, not torch's: checked here
+            if not isinstance(params.get(key, True), bool):
+                raise ConfigTypeError(f"optimizer.params.{key} for {config.optimizer.type} must be true or false, "
+                                      f"got {type(params[key]).__name__} {params[key]!r}")
         cls = torch.optim.AdamW if params.pop("adam_w_mode", True) else torch.optim.Adam
         params.pop("torch_adam", None)
     else:

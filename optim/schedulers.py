@@ -223,6 +223,9 @@ class LRRangeTest(_Schedule):
         return [low * (1 + self.step_rate * interval) for low in self.min_lrs]
 
 
+# the params `_per_group` reads: a number, or a list of one per param group
+_PER_GROUP = frozenset({"warmup_min_lr", "warmup_max_lr", "cycle_min_lr", "cycle_max_lr", "cycle_min_mom",
+                        "cycle_max_mom", "lr_range_test_min_lr"})
 _SCHEDULES = {cls.__name__: cls for cls in (WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle, LRRangeTest)}
 
 
@@ -246,7 +249,7 @@ def build_scheduler(name: str, optimizer: torch.optim.Optimizer, params: dict) -
             the wrong kind (a string for a number). Each names scheduler.params.<key> where it can.
     """
     cls = _SCHEDULES[name]
-    check_params("scheduler.params", name, cls.__init__, params, {"self", "optimizer"}, per_group=True)
+    check_params("scheduler.params", name, cls.__init__, params, {"self", "optimizer"}, _PER_GROUP)
     try:
         return cls(optimizer, **params)
     except TypeError as error:

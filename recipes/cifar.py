@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moe import MoE, split_params_into_different_moe_groups_for_optimizer
-from optim import initialize
+from optim import ConfigTypeError, initialize
 from recipes import runner
 from recipes.cli import (built, engine_config, fail, keep_last_field, noisy_gate_policy, noisy_gate_policy_field,
                          require_at_least, resume_field, start_over_field)
@@ -259,7 +259,7 @@ def train(cfg: CifarConfig, given: set[str], rank: int, world: int) -> dict:
             {"params": list(model.parameters()), "name": "parameters"}) if cfg.moe_param_group else None
         engine, *_ = initialize(model, model_parameters=params,
                                 config=engine_config(engine_fragments(cfg), given, cfg.config))
-    except (OSError, TypeError, ValueError) as error:  # TypeError: a config value of the wrong type
+    except (OSError, ConfigTypeError, ValueError) as error:
         raise SetupError(str(error)) from None
     first_epoch, path = 0, None
     if cfg.resume:

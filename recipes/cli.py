@@ -13,6 +13,7 @@ import math
 import os
 import re
 import sys
+import warnings
 
 import torch.distributed as dist
 
@@ -211,8 +212,10 @@ def _type_of(config: dict, block: str) -> str | None:
     return kind.lower() if isinstance(kind, str) else None
 
 
-def _params_taken(block: str, kind: str) -> set[str] | None:
+def _params_taken(block: str, kind: str | None) -> set[str] | None:
     """The params an optimizer or scheduler of type `kind` takes; None for a type the engine will refuse."""
+    if kind is None:
+        return None
     try:
         return optimizer_params(kind) if block == "optimizer" else scheduler_params(kind)
     except KeyError:
@@ -222,17 +225,27 @@ def _params_taken(block: str, kind: str) -> set[str] | None:
 _TYPED = ("optimizer", "scheduler")  # blocks whose params belong to their type
 
 
-def _written_onto(fragment: dict, config: dict, defaults: dict) -> dict:
+def _written_onto(fragment: dict, config: dict, defaults: dict, flag: str) -> dict:
     """A written flag's entries, less what does not fit an optimizer or scheduler of another type than
-    the recipe's (from the JSON file): that type stays, and only the params it takes are set."""
+    the recipe's (from the JSON file): that type stays, and only the params it takes are set (a
+    warning names the others). A block the JSON file makes no object is left for the engine to refuse."""
     out = dict(fragment)
     for block in _TYPED:
+        if block not in fragment:
+            continue
+        if not isinstance(config.get(block), dict):
+            del out[block]
+            continue
         kind = _type_of(config, block)
-        if block not in fragment or kind == _type_of(defaults, block):
+        if kind == _type_of(defaults, block):
             continue
         taken = _params_taken(block, kind)
         params = fragment[block].get("params", {})
         out[block] = {"params": {k: v for k, v in params.items() if taken is None or k in taken}}
+        dropped = sorted(set(params) - set(out[block]["params"]))
+        if dropped:
+            warnings.warn(f"--{flag.replace('_', '-')} sets {block}.params {', '.join(dropped)}, which "
+                          f"{config[block]['type']} (from --config) does not take: not applied", stacklevel=3)
     return out
 
 
@@ -265,7 +278,7 @@ def engine_config(fragments: dict[str, dict], given: set[str], json_path: str) -
                 config = {key: value for key, value in config.items() if key != block}
         config = merge(config, loaded)
         for name in sorted(given & fragments.keys()):
-            config = merge(config, _written_onto(fragments[name], config, defaults))
+            config = merge(config, _written_onto(fragments[name], config, defaults, name))
     return config
 
 

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from moe import split_params_into_different_moe_groups_for_optimizer
-from optim import initialize, read_client_state
+from optim import ConfigTypeError, initialize, read_client_state
 from recipes import runner
 from recipes.cli import (built, engine_config, fail, flag_names, flag_parser, keep_last_field, noisy_gate_policy,
                          noisy_gate_policy_field, require_at_least, require_positive, resume_field, saved_recipe,
@@ -239,7 +239,7 @@ def train(cfg: TrainConfig, given: set[str], rank: int, world: int) -> dict:
             {"params": list(model.parameters()), "name": "dense"})
         engine, *_ = initialize(model, model_parameters=groups, config=engine_config(engine_fragments(cfg), given,
                                                                                      cfg.config))
-    except (OSError, TypeError, ValueError) as error:  # TypeError: a config value of the wrong type
+    except (OSError, ConfigTypeError, ValueError) as error:
         raise SetupError(str(error)) from None
     unigram = unigram_baseline(train_tokens, val_tokens)
     first_step, path = 0, None

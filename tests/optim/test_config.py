@@ -7,7 +7,7 @@ import warnings
 import pytest
 import torch
 
-from optim import LossScaler, LossScalerConfig, initialize, parse_config
+from optim import ConfigTypeError, LossScaler, LossScalerConfig, initialize, parse_config
 from optim.schedulers import build_scheduler
 from tests.optim.models import Net
 
@@ -72,9 +72,17 @@ def test_optimizer_and_scheduler_params_of_the_wrong_kind_name_their_key():
         ({"amsgrad": 1}, {}, r"optimizer.params.amsgrad for AdamW must be true or false, got int 1"),
         ({}, {"warmup_num_steps": "ten"}, r"scheduler.params.warmup_num_steps for WarmupLR must be a number"),
         ({}, {"warmup_type": 3}, r"scheduler.params.warmup_type for WarmupLR must be a string, got int 3"),
+        ({}, {"warmup_num_steps": [10]}, r"scheduler.params.warmup_num_steps for WarmupLR must be a number, got list"),
     ]:
-        with pytest.raises(TypeError, match=match):
+        with pytest.raises(ConfigTypeError, match=match):
             build(optimizer_params, scheduler_params)
+    # a param without a default, by its annotation; DeepSpeed's own Adam switches
+    with pytest.raises(ConfigTypeError, match=r"scheduler.params.total_num_steps for WarmupDecayLR must be a number"):
+        initialize(Net(), config={"train_batch_size": 4, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+                                  "scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": "10"}}})
+    with pytest.raises(ConfigTypeError, match=r"optimizer.params.adam_w_mode for Adam must be true or false"):
+        initialize(Net(), config={"train_batch_size": 4,
+                                  "optimizer": {"type": "Adam", "params": {"adam_w_mode": "false"}}})
     # what DeepSpeed takes still builds: ints for floats, a value per param group, lists for tuples
     engine, *_ = build({"lr": 1, "betas": [0.9, 0.99], "fused": False}, {"warmup_max_lr": [0.01, 0.02], "warmup_num_steps": 2.0})
     assert engine.optimizer.param_groups[0]["betas"] == (0.9, 0.99)

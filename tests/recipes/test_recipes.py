@@ -452,6 +452,19 @@ def test_bad_data_and_config_files_stop_with_one_line(tmp_path, capsys):
         assert code == 2 and len(err.splitlines()) == 1 and message in err, err
 
 
+def test_the_recipes_default_engine_configs():
+    gpt_config = engine_config(gpt.engine_fragments(gpt.TrainConfig()), {"lr", "steps"}, "")
+    assert gpt_config["optimizer"] == {"type": "AdamW",
+                                       "params": {"lr": 2e-3, "betas": [0.9, 0.95], "weight_decay": 0.1}}
+    assert gpt_config["scheduler"] == {"type": "WarmupCosineLR", "params": {
+        "total_num_steps": 1200, "warmup_num_steps": 50, "cos_min_ratio": 0.1}}
+    cifar_config = engine_config(cifar.engine_fragments(cifar.CifarConfig()), {"lr"}, "")
+    assert cifar_config["optimizer"] == {"type": "Adam", "params": {"lr": 1e-3, "betas": [0.8, 0.999], "eps": 1e-8,
+                                                                    "weight_decay": 3e-7}}
+    assert cifar_config["scheduler"] == {"type": "WarmupLR", "params": {
+        "warmup_min_lr": 0, "warmup_max_lr": 1e-3, "warmup_num_steps": 1000}}
+
+
 def test_a_config_of_another_optimizer_or_schedule_keeps_its_type_and_takes_the_written_flags(tmp_path):
     warmup = tmp_path / "warmup.json"
     warmup.write_text('{"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 10}},'
@@ -461,7 +474,9 @@ def test_a_config_of_another_optimizer_or_schedule_keeps_its_type_and_takes_the_
     quiet = engine_config(fragments, set(), str(warmup))  # the JSON's blocks whole: no AdamW betas, no cosine keys
     assert quiet["scheduler"] == {"type": "WarmupLR", "params": {"warmup_num_steps": 10}}
     assert quiet["optimizer"] == {"type": "SGD", "params": {"lr": 0.5, "momentum": 0.9}}
-    written = engine_config(fragments, {"steps", "warmup_steps", "min_lr_ratio", "lr", "weight_decay"}, str(warmup))
+    with pytest.warns(UserWarning, match=r"--min-lr-ratio sets scheduler.params cos_min_ratio, which WarmupLR"):
+        written = engine_config(fragments, {"steps", "warmup_steps", "min_lr_ratio", "lr", "weight_decay"},
+                                str(warmup))
     # the flags set what these types take (warmup steps, lr, weight decay), never the type
     assert written["scheduler"] == {"type": "WarmupLR", "params": {"warmup_num_steps": 3}}
     assert written["optimizer"] == {"type": "SGD", "params": {"lr": 0.25, "momentum": 0.9, "weight_decay": 0.1}}
@@ -470,9 +485,27 @@ def test_a_config_of_another_optimizer_or_schedule_keeps_its_type_and_takes_the_
     assert cosine["optimizer"] == {"type": "Adam", "params": {"lr": 0.25, "betas": [0.8, 0.999], "eps": 1e-8,
                                                               "weight_decay": 3e-7}}
     assert cosine["scheduler"]["type"] == "WarmupLR"  # cifar.json's, where the GPT recipe's is WarmupCosineLR
-    assert engine_config(fragments, set(), "") == engine_config(fragments, {"lr", "steps"}, "")
+    # the type compared in any case: an "adamw" config is the recipe's AdamW, merged key by key
+    lower = tmp_path / "lower.json"
+    lower.write_text('{"optimizer": {"type": "adamw", "params": {"lr": 0.5}}}')
+    assert engine_config(fragments, set(), str(lower))["optimizer"] == {
+        "type": "adamw", "params": {"lr": 0.5, "betas": [0.9, 0.95], "weight_decay": 0.1}}
+    # a type the engine will refuse keeps the written params (the engine names the type); a null block stays null
+    odd = tmp_path / "odd.json"
+    odd.write_text('{"scheduler": {"type": "Cosine"}, "optimizer": null}')
+    kept = engine_config(fragments, {"steps", "lr"}, str(odd))
+    assert kept["scheduler"] == {"type": "Cosine", "params": {"total_num_steps": 2}} and kept["optimizer"] is None
+    # the CIFAR recipe's --lr onto a WarmupCosineLR config: the optimizer's lr, and a warning for the schedule's key
+    cifar_cfg = cifar.CifarConfig(lr=0.125)
+    cosine_json = tmp_path / "cosine.json"
+    cosine_json.write_text('{"scheduler": {"type": "WarmupCosineLR", "params": {"total_num_steps": 100}}}')
+    with pytest.warns(UserWarning, match=r"--lr sets scheduler.params warmup_max_lr, which WarmupCosineLR"):
+        mixed = engine_config(cifar.engine_fragments(cifar_cfg), {"lr"}, str(cosine_json))
+    assert mixed["scheduler"] == {"type": "WarmupCosineLR", "params": {"total_num_steps": 100}}
+    assert mixed["optimizer"]["params"]["lr"] == 0.125 and mixed["optimizer"]["type"] == "Adam"
     # and the runs: the tutorial's config in the GPT recipe, a WarmupLR config with --steps
-    for config in (CIFAR_JSON, warmup):
+    for config in (CIFAR_JSON, warmup, odd.with_name("null.json")):
+        odd.with_name("null.json").write_text('{"scheduler": null}')  # no schedule, as DeepSpeed reads it
         result = gpt.main(GPT_TINY + ["--steps", "2", "--config", str(config), "--log-dir", str(tmp_path)])
         assert result["history"]["train"] and all(math.isfinite(loss) for _, loss in result["history"]["train"])
 
@@ -481,8 +514,9 @@ def test_a_config_of_another_optimizer_or_schedule_keeps_its_type_and_takes_the_
     ('{"train_batch_size": "32"}', "train_batch_size must be int, got str '32'"),
     ('{"optimizer": {"params": {"lr": "fast"}}}', "optimizer.params.lr for AdamW must be a number, got str 'fast'"),
     ('{"scheduler": {"params": {"warmup_num_steps": "ten"}}}',
-     "scheduler.params.warmup_num_steps for WarmupCosineLR must be a number (or a list of one per param group), "
-     "got str 'ten'"),
+     "scheduler.params.warmup_num_steps for WarmupCosineLR must be a number, got str 'ten'"),
+    ('{"scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": "high"}}}',
+     "scheduler.params.warmup_max_lr for WarmupLR must be a number (or a list of one per param group), got str"),
     ('{"optimizer": {"params": {"betas": [0.9]}}}', "optimizer.params.betas for AdamW must be a list of 2 numbers"),
 ])
 def test_a_config_value_of_the_wrong_type_stops_with_one_line_naming_its_key(tmp_path, capsys, entry, message):
