@@ -277,6 +277,10 @@ def _type_name(hint) -> str:
     return getattr(hint, "__name__", str(hint))
 
 
+class ConfigTypeError(TypeError):
+    """A config value of the wrong type, named by its key (a TypeError, so callers catching that still do)."""
+
+
 def _convert(hint, value, path: str, ignored: list[str]):
     """Check `value` against the type hint, recursing into nested config dataclasses."""
     if typing.get_origin(hint) in (typing.Union, types.UnionType):
@@ -296,17 +300,13 @@ def _convert(hint, value, path: str, ignored: list[str]):
     return value
 
 
-class ConfigTypeError(TypeError):
-    """A config value of the wrong type, named by its key (a TypeError, so callers catching that still do)."""
-
-
 def _number(value) -> bool:
     if isinstance(value, bool):
         return False
     return isinstance(value, numbers.Real) or (hasattr(value, "numel") and value.numel() == 1)  # a 1-element tensor
 
 
-_PER_GROUP = "a number (or a list of one per param group)"
+_NUMBER_PER_GROUP = "a number (or a list of one per param group)"
 
 
 def _wanted(value, param: inspect.Parameter, per_group: bool) -> str | None:
@@ -321,7 +321,7 @@ def _wanted(value, param: inspect.Parameter, per_group: bool) -> str | None:
         return None if isinstance(value, bool) else "true or false"
     if _number(default) and per_group:
         fits = _number(value) or (isinstance(value, (list, tuple)) and value and all(map(_number, value)))
-        return None if fits else _PER_GROUP
+        return None if fits else _NUMBER_PER_GROUP
     if _number(default):
         return None if _number(value) else "a number"
     if isinstance(default, tuple) and all(map(_number, default)):
@@ -338,7 +338,8 @@ def accepted_params(fn, skip: set[str]) -> dict:
             if name not in skip and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
 
 
-def check_params(prefix: str, owner: str, fn, params: dict, skip: set[str], per_group: frozenset = frozenset()) -> None:
+def check_params(prefix: str, owner: str, fn, params: dict, skip: set[str],
+                 per_group: frozenset = frozenset()) -> None:
     """Each key of `params` is a parameter of `fn` (less `skip`) and of the kind its default (or, where
     it has none, its annotation) is; the names in `per_group` also take a list of one per param group.
 

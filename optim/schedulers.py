@@ -245,8 +245,9 @@ def build_scheduler(name: str, optimizer: torch.optim.Optimizer, params: dict) -
     """The schedule `name` over `optimizer`.
 
     Raises:
-        ValueError: an unknown parameter, or values the schedule refuses; TypeError: a parameter of
-            the wrong kind (a string for a number). Each names scheduler.params.<key> where it can.
+        ValueError: an unknown parameter, or values the schedule refuses; optim.ConfigTypeError (a
+            TypeError): a parameter of the wrong kind (a string for a number). Each names
+            scheduler.params.<key> where it can.
     """
     cls = _SCHEDULES[name]
     check_params("scheduler.params", name, cls.__init__, params, {"self", "optimizer"}, _PER_GROUP)
