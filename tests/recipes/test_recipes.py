@@ -481,10 +481,10 @@ def test_a_config_of_another_optimizer_or_schedule_keeps_its_type_and_takes_the_
     assert written["scheduler"] == {"type": "WarmupLR", "params": {"warmup_num_steps": 3}}
     assert written["optimizer"] == {"type": "SGD", "params": {"lr": 0.25, "momentum": 0.9, "weight_decay": 0.1}}
     # a config of the recipe's own types still merges key by key, and a written --lr leaves its betas
-    cosine = engine_config(fragments, {"lr"}, str(CIFAR_JSON))
-    assert cosine["optimizer"] == {"type": "Adam", "params": {"lr": 0.25, "betas": [0.8, 0.999], "eps": 1e-8,
+    tutorial = engine_config(fragments, {"lr"}, str(CIFAR_JSON))
+    assert tutorial["optimizer"] == {"type": "Adam", "params": {"lr": 0.25, "betas": [0.8, 0.999], "eps": 1e-8,
                                                               "weight_decay": 3e-7}}
-    assert cosine["scheduler"]["type"] == "WarmupLR"  # cifar.json's, where the GPT recipe's is WarmupCosineLR
+    assert tutorial["scheduler"]["type"] == "WarmupLR"  # cifar.json's, where the GPT recipe's is WarmupCosineLR
     # the type compared in any case: an "adamw" config is the recipe's AdamW, merged key by key
     lower = tmp_path / "lower.json"
     lower.write_text('{"optimizer": {"type": "adamw", "params": {"lr": 0.5}}}')
@@ -503,9 +503,10 @@ def test_a_config_of_another_optimizer_or_schedule_keeps_its_type_and_takes_the_
         mixed = engine_config(cifar.engine_fragments(cifar_cfg), {"lr"}, str(cosine_json))
     assert mixed["scheduler"] == {"type": "WarmupCosineLR", "params": {"total_num_steps": 100}}
     assert mixed["optimizer"]["params"]["lr"] == 0.125 and mixed["optimizer"]["type"] == "Adam"
-    # and the runs: the tutorial's config in the GPT recipe, a WarmupLR config with --steps
-    for config in (CIFAR_JSON, warmup, odd.with_name("null.json")):
-        odd.with_name("null.json").write_text('{"scheduler": null}')  # no schedule, as DeepSpeed reads it
+    # and the runs: the tutorial's config in the GPT recipe, a WarmupLR config with --steps, no schedule
+    no_schedule = tmp_path / "null.json"
+    no_schedule.write_text('{"scheduler": null}')  # as DeepSpeed reads it
+    for config in (CIFAR_JSON, warmup, no_schedule):
         result = gpt.main(GPT_TINY + ["--steps", "2", "--config", str(config), "--log-dir", str(tmp_path)])
         assert result["history"]["train"] and all(math.isfinite(loss) for _, loss in result["history"]["train"])
 
