@@ -104,9 +104,36 @@ def resumed_line(path: str, where: str, done: int, flag: str, end: int) -> str:
     return f"resumed from {path} {where} {done}" + (f"; {flag} {end} are done: nothing to train" if done >= end else "")
 
 
-def cpu_name() -> str:
-    """The CPU model (Linux's /proc/cpuinfo), so that a speed figure says where it was taken."""
-    return gemm.cpu_model()
+# the vector extensions that decide these benchmarks' CPU figures: /proc/cpuinfo's flag -> its name
+_CPU_FEATURES = (("avx2", "AVX2"), ("avx512f", "AVX-512"), ("avx512_bf16", "AVX512-BF16"), ("amx_bf16", "AMX"))
+
+
+def cpu_name(cpuinfo: str = "/proc/cpuinfo") -> str:
+    """The CPU model with its family, model number and vector extensions, so that a speed figure says
+    where it was taken: "AMD EPYC (family 25 model 17; AVX2, AVX-512, AVX512-BF16, no AMX)".
+
+    Machines sold under one name differ in what decides these figures (two "AMD EPYC" virtual
+    machines here: one with AVX2 only, one with AVX-512 and bf16 products). Read from Linux's
+    /proc/cpuinfo (its first processor); elsewhere the model name alone.
+    """
+    fields = {}
+    try:
+        with open(cpuinfo) as f:
+            for line in f:
+                if not line.strip():
+                    break  # the first processor's block ends here
+                key, _, value = line.partition(":")
+                fields[key.strip()] = value.strip()
+    except OSError:
+        pass
+    name = fields.get("model name") or gemm.cpu_model()
+    if "flags" not in fields:
+        return name
+    flags = set(fields["flags"].split())
+    has = [label for flag, label in _CPU_FEATURES if flag in flags]
+    lacks = [label for flag, label in _CPU_FEATURES if flag not in flags and label in ("AVX-512", "AMX")]
+    where = f"family {fields['cpu family']} model {fields['model']}; " if "cpu family" in fields and "model" in fields else ""
+    return f"{name} ({where}{', '.join(has + ['no ' + label for label in lacks])})"
 
 
 # The checkpoint folder of a run: one writer at a time, interrupted saves cleared, old checkpoints pruned.
