@@ -111,8 +111,12 @@ def train(cfg: DemoConfig, dense: bool, rank: int = 0, world: int = 1) -> float:
         moe_layer = model.ffn
         local = moe_layer.deepspeed_moe.routing.kept_counts()  # this rank's tokens, by global expert
         first = moe_layer.ep_rank * moe_layer.num_local_experts
-        print(f"rank {rank}: holds experts {first}..{first + moe_layer.num_local_experts - 1}; "
-              f"its tokens went to experts {local.tolist()} in the last step", flush=True)
+        line = (f"rank {rank}: holds experts {first}..{first + moe_layer.num_local_experts - 1}; "
+                f"its tokens went to experts {local.tolist()} in the last step")
+        lines = [None] * world
+        dist.all_gather_object(lines, line)  # printed by rank 0 in rank order: ranks' own prints interleave
+        if rank == 0:
+            print("\n".join(lines), flush=True)
     return sum(recent) / len(recent)
 
 

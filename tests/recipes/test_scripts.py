@@ -72,10 +72,10 @@ def test_demo_under_torchrun_with_expert_parallelism(tmp_path):
                "-m", "recipes.demo", "--experts", "4", "--ep-world-size", "2", "--steps", "20", "--log-interval", "10"]
     done = subprocess.run(command, capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stdout + done.stderr
-    held = {int(rank): (int(first), int(last), [int(c) for c in counts.split(",")]) for rank, first, last, counts in
-            re.findall(r"rank (\d): holds experts (\d+)\.\.(\d+); its tokens went to experts \[([0-9, ]+)\]",
-                       done.stdout)}  # not anchored: two processes share stdout, and a line may follow another's text
-    assert sorted(held) == [0, 1], done.stdout
+    found = re.findall(r"^rank (\d): holds experts (\d+)\.\.(\d+); its tokens went to experts \[([0-9, ]+)\] in the "
+                       r"last step$", done.stdout, re.MULTILINE)  # whole lines: rank 0 prints every rank's
+    assert [int(rank) for rank, *_ in found] == [0, 1], done.stdout  # once each, in rank order
+    held = {int(rank): (int(first), int(last), [int(c) for c in counts.split(",")]) for rank, first, last, counts in found}
     assert [held[rank][:2] for rank in (0, 1)] == [(0, 1), (2, 3)]  # blocks of experts / ep_size, in rank order
     for _, _, counts in held.values():  # a rank's tokens, by global expert: at most one choice per token (k = 1)
         assert len(counts) == 4 and 0 < sum(counts) <= 512
