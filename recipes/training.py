@@ -112,9 +112,9 @@ def cpu_name(cpuinfo: str = "/proc/cpuinfo") -> str:
     """The CPU model with its family, model number and vector extensions, so that a speed figure says
     where it was taken: "AMD EPYC (family 25 model 17; AVX2, AVX-512, AVX512-BF16, no AMX)".
 
-    Machines sold under one name differ in what decides these figures (two "AMD EPYC" virtual
-    machines here: one with AVX2 only, one with AVX-512 and bf16 products). Read from Linux's
-    /proc/cpuinfo (its first processor); elsewhere the model name alone.
+    CPUs sold under one name differ in what decides these figures (an "AMD EPYC" may have AVX2
+    only, or AVX-512 with bf16 products). Read from Linux's /proc/cpuinfo (its first processor);
+    elsewhere the model name alone.
     """
     fields = {}
     try:
