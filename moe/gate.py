@@ -230,24 +230,29 @@ class TopKGate(torch.nn.Module):
         with no_autocast(x_SM.device):  # the router stays fp32 under the model's autocast
             logits = _RouterLinear.apply(x_SM, self.wg.weight.to(x_SM.dtype))
         capacity_factor = cfg.capacity_factor if self.training else cfg.eval_capacity_factor
+        # In eval (validation, generation from a short prompt) a batch of fewer tokens than min_capacity
+        # routes with nothing dropped: any capacity >= S keeps every choice, since an expert gets at most
+        # one choice per token. In training it stays an error (DeepSpeed's assertion, a batch below the
+        # capacity floor being a configuration mistake).
+        min_capacity = cfg.min_capacity if self.training else min(cfg.min_capacity, logits.shape[0])
         if cfg.routing == "expert_choice":
             return expert_choice_gating(logits, capacity_factor, used_token=used_token)
         balance = {"load_balancing_type": cfg.load_balancing_type, "seq_len": seq_len,
                    "global_counts": self._sum_global_counts if self.training and self.global_counts is not None else None}
         if cfg.deepspeed_policy and cfg.k == 1:
             routing = top1gating(
-                logits, capacity_factor, cfg.min_capacity, used_token,
+                logits, capacity_factor, min_capacity, used_token,
                 cfg.noisy_gate_policy if self.training else None, cfg.drop_tokens,
                 cfg.use_rts and self.training, self.ep_group, **balance,
             )
         elif cfg.deepspeed_policy and cfg.k == 2:
             routing = top2gating(
-                logits, capacity_factor, cfg.min_capacity, cfg.drop_tokens, self.ep_group,
+                logits, capacity_factor, min_capacity, cfg.drop_tokens, self.ep_group,
                 cfg.top2_2nd_expert_sampling and self.training, used_token=used_token, **balance,
             )
         else:
             routing = topkgating(
-                logits, cfg.k, capacity_factor, cfg.min_capacity, cfg.drop_tokens, self.ep_group, cfg.drop_policy,
+                logits, cfg.k, capacity_factor, min_capacity, cfg.drop_tokens, self.ep_group, cfg.drop_policy,
                 used_token=used_token, scoring_func=cfg.scoring_func,
                 norm_topk_prob=True if cfg.norm_topk_prob is None else cfg.norm_topk_prob,
                 routed_scaling_factor=cfg.routed_scaling_factor, expert_bias=self.expert_bias, n_group=cfg.n_group,

@@ -442,3 +442,22 @@ def test_building_a_layer_asks_glibc_to_keep_freed_chunks_unless_the_workspace_i
     monkeypatch.setenv("MOE_CPU_WORKSPACE", pool)
     MoE(8, nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8)), num_experts=4, k=2)
     assert len(calls) == (1 if pool == "1" else 0)
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+@pytest.mark.parametrize("tokens", [0, 1, 3])
+def test_eval_routes_fewer_tokens_than_min_capacity_with_nothing_dropped(k, tokens):
+    """Generation from a short prompt: in eval, S < min_capacity keeps every choice (as a dropless twin
+    does); in training it is an error naming both numbers."""
+    torch.manual_seed(11)
+    layer = MoE(8, _mlp(), num_experts=4, k=k, min_capacity=4, eval_capacity_factor=1.0).eval()
+    dropless = MoE(8, _mlp(), num_experts=4, k=k, min_capacity=4, drop_tokens=False).eval()
+    dropless.load_state_dict(layer.state_dict())
+    x = torch.randn(tokens, 8)
+    out, _, exp_counts = layer(x)
+    torch.testing.assert_close(out, dropless(x)[0], **FP32)
+    assert int(layer.deepspeed_moe.routing.kept_counts().sum()) == int(exp_counts.sum()) == tokens * k
+    if tokens:
+        torch.testing.assert_close(out, _reference(layer, x), **FP32)
+        with pytest.raises(ValueError, match=rf"number of tokens \({tokens}\) must be >= min_capacity \(4\)"):
+            layer.train()(x)
