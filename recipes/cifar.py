@@ -316,6 +316,9 @@ def check(parser, cfg: CifarConfig, world: int) -> None:
                 fail(parser, f"--num-experts {n} must be a positive multiple of --ep-world-size ({cfg.ep_world_size})")
             if not 1 <= cfg.top_k <= n:
                 fail(parser, f"--top-k ({cfg.top_k}) must be between 1 and --num-experts ({n})")
+        if cfg.batch_size < cfg.min_capacity:  # a micro-batch's images are the tokens a MoE layer routes
+            fail(parser, f"--batch-size ({cfg.batch_size}) must be at least --min-capacity ({cfg.min_capacity}): "
+                         "a MoE layer's tokens are a micro-batch's images")
     elif cfg.ep_world_size > 1:
         fail(parser, f"--ep-world-size {cfg.ep_world_size} needs --moe (there are no experts to spread)")
     require_at_least(parser, cfg, ("epochs", "batch_size", "log_interval"))

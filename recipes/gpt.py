@@ -298,6 +298,11 @@ def check(parser, cfg: TrainConfig, world: int) -> None:
         fail(parser, f"--num-experts ({cfg.num_experts}) must be divisible by --ep-world-size ({cfg.ep_world_size})")
     if not cfg.dense and not 1 <= cfg.top_k <= cfg.num_experts:
         fail(parser, f"--top-k ({cfg.top_k}) must be between 1 and --num-experts ({cfg.num_experts})")
+    tokens = cfg.batch_size * cfg.seq_len  # one micro-batch's tokens in a process: what a MoE layer routes
+    if not cfg.dense and not cfg.dropless and cfg.routing == "token_choice" and tokens < cfg.min_capacity:
+        fail(parser, f"--batch-size x --seq-len ({cfg.batch_size} x {cfg.seq_len} = {tokens} tokens a micro-batch) "
+                     f"must be at least --min-capacity ({cfg.min_capacity}) when dropping tokens; lower "
+                     "--min-capacity or pass --dropless")
     if not cfg.dense and not 1 <= cfg.moe_every <= cfg.n_layer:
         fail(parser, f"--moe-every ({cfg.moe_every}) must be between 1 and --n-layer ({cfg.n_layer}), or the "
                      "model has no MoE block (the dense twin is --dense)")

@@ -79,6 +79,8 @@ def test_gpt_trains_logs_every_statistic_and_resumes_exactly(tmp_path, capsys):
     sampled = gpt.main(sample)
     assert capsys.readouterr().out == sampled["text"] + "\n" and sampled["text"].startswith("The ")
     assert gpt.main(sample)["text"] == sampled["text"]  # --seed 0 both times
+    short = gpt.main(sample[:3] + ["--prompt", "T", "--new-tokens", "5"])["text"]  # fewer tokens than min_capacity
+    assert short.startswith("T") and len(short) > 1
 
 
 def _parsed(argv: list[str]) -> dict:
@@ -227,6 +229,10 @@ def test_cifar_under_torchrun_with_expert_parallelism(tmp_path):
     (gpt, ["--warmup-steps", "-5"], r"--warmup-steps must be 0 or more, got -5"),
     (gpt, ["--lr", "inf"], r"--lr must be a positive finite number, got inf"),
     (gpt, ["--resume", "sometimes"], r"argument --resume: invalid choice: 'sometimes'"),
+    (gpt, ["--batch-size", "1", "--seq-len", "2"],
+     r"--batch-size x --seq-len \(1 x 2 = 2 tokens a micro-batch\) must be at least --min-capacity \(4\)"),
+    (cifar, ["--moe", "--num-experts", "4", "--batch-size", "8", "--min-capacity", "100"],
+     r"--batch-size \(8\) must be at least --min-capacity \(100\)"),
 ])
 def test_a_wrong_flag_stops_with_one_line(recipe, argv, message, capsys):
     with pytest.raises(SystemExit) as stop:
