@@ -9,6 +9,7 @@ turns a bad setting into one line on stderr (exit status 2) and a non-finite los
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -61,6 +62,14 @@ def checked_config(recipe: Recipe, parser: argparse.ArgumentParser, argv: list[s
     if not cfg.run_name:
         cfg.run_name = f"{recipe.run_label(cfg)}-{time.strftime('%Y%m%d-%H%M%S')}"
     require_at_least(parser, cfg, ("ep_world_size",))
+    if world % cfg.ep_world_size and "ep_world_size" not in given:
+        # a resumed run's expert-parallel size came from its checkpoint, written at another layout: the
+        # checkpoint loads at any, so the run goes on at the largest size that fits both
+        resumed_at = math.gcd(cfg.ep_world_size, world)
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            print(f"resuming at --ep-world-size {resumed_at}: the checkpoint's run used {cfg.ep_world_size}, which "
+                  f"does not divide {world} process(es) (pass --ep-world-size to choose another)", flush=True)
+        cfg.ep_world_size = resumed_at
     if world % cfg.ep_world_size:
         fail(parser, f"--ep-world-size ({cfg.ep_world_size}) must divide the number of processes ({world})")
     if cfg.config and not os.path.isfile(cfg.config):

@@ -168,7 +168,7 @@ def _torchrun(module: str, *args: str) -> subprocess.CompletedProcess:
     return done
 
 
-def test_gpt_under_torchrun_with_expert_parallelism_resumes(tmp_path):
+def test_gpt_under_torchrun_with_expert_parallelism_resumes(tmp_path, capsys):
     args = GPT_TINY + ["--ep-world-size", "2", "--stage", "3", "--steps", "30", "--eval-interval", "15",
                        "--log-interval", "5", "--log-dir", str(tmp_path), "--run-name", "run",
                        "--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-interval", "15"]
@@ -187,6 +187,15 @@ def test_gpt_under_torchrun_with_expert_parallelism_resumes(tmp_path):
     expected = {s: loss for s, loss in straight.items() if s > 15}
     assert resumed.keys() == expected.keys() and list(resumed.values()) == pytest.approx(list(expected.values()),
                                                                                        abs=1e-4)  # 4 printed digits
+
+    # in one process, without --ep-world-size: the checkpoint's ep 2 does not fit, so the run goes on at ep 1
+    (tmp_path / "ckpt" / "latest").write_text("global_step15")
+    capsys.readouterr()
+    alone = gpt.main(["--resume", "--checkpoint-dir", str(tmp_path / "ckpt"), "--log-dir", str(tmp_path / "alone")])
+    out = capsys.readouterr().out
+    assert "resuming at --ep-world-size 1: the checkpoint's run used 2, which does not divide 1 process(es)" in out
+    assert "1 process(es), ep 1, ZeRO stage 3" in out and "at step 15" in out, out
+    assert [s for s, _ in alone["history"]["train"]] == list(range(16, 31))
 
 
 def test_cifar_under_torchrun_with_expert_parallelism(tmp_path):
