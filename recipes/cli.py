@@ -244,9 +244,26 @@ def _written_onto(fragment: dict, config: dict, defaults: dict, flag: str) -> di
         out[block] = {"params": {k: v for k, v in params.items() if taken is None or k in taken}}
         dropped = sorted(set(params) - set(out[block]["params"]))
         if dropped:
-            warnings.warn(f"--{flag.replace('_', '-')} sets {block}.params {', '.join(dropped)}, which "
-                          f"{config[block]['type']} (from --config) does not take: not applied", stacklevel=3)
+            warnings.warn(f"{config[block]['type']} (from --config) takes no {block}.params {', '.join(dropped)}: "
+                          f"--{flag.replace('_', '-')} does not set {'it' if len(dropped) == 1 else 'them'}",
+                          stacklevel=3)
     return out
+
+
+# the param by which a schedule sets the learning rate itself, whatever the optimizer's lr (one per type)
+_OWN_RATES = ("warmup_max_lr", "cycle_max_lr", "lr_range_test_min_lr")
+
+
+def _warn_if_lr_overridden(config: dict, fragment: dict) -> None:
+    """Warn that a written --lr does not set the learning rate under a schedule (from the JSON file) that
+    sets it from its own rates, unless the flag sets that rate too (as the CIFAR recipe's --lr does)."""
+    scheduler = config.get("scheduler")
+    taken = _params_taken("scheduler", _type_of(config, "scheduler")) or set()
+    rate = next((name for name in _OWN_RATES if name in taken), None)
+    if rate is None or rate in fragment.get("scheduler", {}).get("params", {}):
+        return
+    warnings.warn(f"--lr sets the optimizer's lr, but {scheduler['type']} (from --config) sets the learning rate from "
+                  f"its own rates ({rate}, ...): --lr does not change the run's learning rate", stacklevel=3)
 
 
 def engine_config(fragments: dict[str, dict], given: set[str], json_path: str) -> dict:
@@ -279,6 +296,8 @@ def engine_config(fragments: dict[str, dict], given: set[str], json_path: str) -
         config = merge(config, loaded)
         for name in sorted(given & fragments.keys()):
             config = merge(config, _written_onto(fragments[name], config, defaults, name))
+        if "lr" in given and "lr" in fragments:
+            _warn_if_lr_overridden(config, fragments["lr"])
     return config
 
 

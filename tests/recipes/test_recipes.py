@@ -489,9 +489,14 @@ def test_a_config_of_another_optimizer_or_schedule_keeps_its_type_and_takes_the_
     quiet = engine_config(fragments, set(), str(warmup))  # the JSON's blocks whole: no AdamW betas, no cosine keys
     assert quiet["scheduler"] == {"type": "WarmupLR", "params": {"warmup_num_steps": 10}}
     assert quiet["optimizer"] == {"type": "SGD", "params": {"lr": 0.5, "momentum": 0.9}}
-    with pytest.warns(UserWarning, match=r"--min-lr-ratio sets scheduler.params cos_min_ratio, which WarmupLR"):
+    with pytest.warns(UserWarning) as said:
         written = engine_config(fragments, {"steps", "warmup_steps", "min_lr_ratio", "lr", "weight_decay"},
                                 str(warmup))
+    assert sorted(str(w.message) for w in said) == [  # --steps still sets the run's length: not said to be ignored
+        "--lr sets the optimizer's lr, but WarmupLR (from --config) sets the learning rate from its own rates "
+        "(warmup_max_lr, ...): --lr does not change the run's learning rate",
+        "WarmupLR (from --config) takes no scheduler.params cos_min_ratio: --min-lr-ratio does not set it",
+        "WarmupLR (from --config) takes no scheduler.params total_num_steps: --steps does not set it"]
     # the flags set what these types take (warmup steps, lr, weight decay), never the type
     assert written["scheduler"] == {"type": "WarmupLR", "params": {"warmup_num_steps": 3}}
     assert written["optimizer"] == {"type": "SGD", "params": {"lr": 0.25, "momentum": 0.9, "weight_decay": 0.1}}
@@ -514,7 +519,8 @@ def test_a_config_of_another_optimizer_or_schedule_keeps_its_type_and_takes_the_
     cifar_cfg = cifar.CifarConfig(lr=0.125)
     cosine_json = tmp_path / "cosine.json"
     cosine_json.write_text('{"scheduler": {"type": "WarmupCosineLR", "params": {"total_num_steps": 100}}}')
-    with pytest.warns(UserWarning, match=r"--lr sets scheduler.params warmup_max_lr, which WarmupCosineLR"):
+    with pytest.warns(UserWarning, match=r"^WarmupCosineLR \(from --config\) takes no scheduler.params warmup_max_lr: "
+                                         r"--lr does not set it$"):
         mixed = engine_config(cifar.engine_fragments(cifar_cfg), {"lr"}, str(cosine_json))
     assert mixed["scheduler"] == {"type": "WarmupCosineLR", "params": {"total_num_steps": 100}}
     assert mixed["optimizer"]["params"]["lr"] == 0.125 and mixed["optimizer"]["type"] == "Adam"
