@@ -37,6 +37,16 @@ from recipes.gpt_model import GPT
 from recipes.simulated import META, simulated_world
 
 GB = 1e9
+# the GPT recipe's model flags beyond the sizes below, taken over with their defaults, choices and help
+ROUTER_FLAGS = ("dense", "min_capacity", "n_shared_experts", "shared_expert_gate", "scoring_func", "norm_topk_prob",
+                "routed_scaling_factor", "bias_update_speed", "load_balancing_type", "n_group", "topk_group",
+                "routing", "exchange")
+
+
+def _gpt_flag(name: str):
+    """A field as the GPT recipe's flag of this name: the same default, choices and help."""
+    recipe_field = next(f for f in dataclasses.fields(gpt.TrainConfig) if f.name == name)
+    return field(default=recipe_field.default, metadata=recipe_field.metadata)
 
 
 @dataclass(kw_only=True)
@@ -58,6 +68,19 @@ class EstimateConfig:
     ep_world_size: int = 1
     stage: int = field(default=0, metadata={"choices": [0, 1, 2, 3]})
     dtype: str = field(default="bf16", metadata={"choices": ["fp32", "bf16", "fp16"]})
+    dense: bool = _gpt_flag("dense")
+    min_capacity: int = _gpt_flag("min_capacity")
+    n_shared_experts: int = _gpt_flag("n_shared_experts")
+    shared_expert_gate: bool = _gpt_flag("shared_expert_gate")
+    scoring_func: str = _gpt_flag("scoring_func")
+    norm_topk_prob: str = _gpt_flag("norm_topk_prob")
+    routed_scaling_factor: float = _gpt_flag("routed_scaling_factor")
+    bias_update_speed: float = _gpt_flag("bias_update_speed")
+    load_balancing_type: str = _gpt_flag("load_balancing_type")
+    n_group: int = _gpt_flag("n_group")
+    topk_group: int = _gpt_flag("topk_group")
+    routing: str = _gpt_flag("routing")
+    exchange: str = _gpt_flag("exchange")
     rank: int = field(default=0, metadata={"help": "the rank whose memory is measured"})
     gpu_memory_gb: float = field(default=80.0, metadata={"help": "memory per GPU, for the verdict"})
 
@@ -90,13 +113,14 @@ def _train_config(cfg: EstimateConfig) -> gpt.TrainConfig:
         num_experts=cfg.num_experts, top_k=cfg.top_k, expert_ffn=cfg.expert_ffn, capacity_factor=cfg.capacity_factor,
         dropless=cfg.dropless, expert_layout=cfg.expert_layout, seq_len=cfg.seq_len, batch_size=cfg.micro_batch,
         ep_world_size=cfg.ep_world_size, stage=cfg.stage, dtype=cfg.dtype, steps=2, run_name="estimate",
+        **{name: getattr(cfg, name) for name in ROUTER_FLAGS},
     )
 
 
 def estimate(cfg: EstimateConfig) -> dict:
     """Run two simulated steps and measure this rank's memory (bytes); see the module docstring."""
     train_cfg = _train_config(cfg)
-    rows = cfg.micro_batch * cfg.seq_len * cfg.top_k
+    rows = round(cfg.micro_batch * cfg.seq_len * gpt.model_config(train_cfg).routed_experts_per_token())
     with contextlib.ExitStack() as stack:
         stack.enter_context(simulated_world(cfg.world_size, cfg.rank, rows_per_rank=rows))
         stack.enter_context(mock.patch("torch.nn.functional.scaled_dot_product_attention", _flash_attention))
@@ -150,6 +174,8 @@ def main(argv: list[str] | None = None) -> dict:
         fail(parser, f"--gpu-memory-gb must be > 0, got {cfg.gpu_memory_gb}")
     if cfg.world_size % cfg.ep_world_size:
         fail(parser, f"--ep-world-size ({cfg.ep_world_size}) must divide --world-size ({cfg.world_size})")
+    if cfg.dense and cfg.ep_world_size > 1:
+        fail(parser, f"--dense has no experts to spread: use --ep-world-size 1, got {cfg.ep_world_size}")
     if not 0 <= cfg.rank < cfg.world_size:
         fail(parser, f"--rank must be between 0 and {cfg.world_size - 1}, got {cfg.rank}")
     try:
@@ -160,8 +186,8 @@ def main(argv: list[str] | None = None) -> dict:
     try:
         result = estimate(cfg)
     except (ValueError, RuntimeError) as error:
-        fail(parser, str(error))
-    kind = f"{cfg.num_experts} experts top-{cfg.top_k}" if cfg.moe_every else "dense (--moe-every 0)"
+        fail(parser, flag_names(str(error), EstimateConfig))
+    kind = f"{cfg.num_experts} experts top-{cfg.top_k}" if cfg.moe_every and not cfg.dense else "dense"
     print(f"GPT {cfg.n_layer} blocks x {cfg.n_embd}, {kind}: "
           f"{result['dense_params'] / 1e6:,.1f} M dense and {result['expert_params'] / 1e6:,.1f} M expert parameters "
           f"on rank {cfg.rank}; world {cfg.world_size}, ep {cfg.ep_world_size}, ZeRO stage {cfg.stage}, {cfg.dtype}, "

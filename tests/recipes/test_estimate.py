@@ -52,6 +52,36 @@ def test_bad_flags_stop_with_one_line(capsys):
     assert "--ep-world-size (3) must divide --world-size (16)" in capsys.readouterr().err
 
 
+def test_the_gpt_recipes_router_and_shared_expert_flags_reach_the_model():
+    """A shared expert adds dense parameters (and the bytes ZeRO counts for them); --dense leaves no experts;
+    group-limited routing with per-rank exchange and expert choice run through the simulated step."""
+    plain = estimate.main(SMALL + ["--micro-batch", "2"])
+    shared = estimate.main(SMALL + ["--micro-batch", "2", "--n-shared-experts", "1", "--shared-expert-gate"])
+    # one shared expert as wide as a routed one (ffn / top-k), plus its gate's [1, width] weight
+    width, expert = 64, 256 // 2
+    per_block = (width * expert + expert) + (expert * width + width) + width
+    assert shared["dense_params"] - plain["dense_params"] == per_block  # SMALL: 2 blocks, MoE in the second
+    assert shared["expert_params"] == plain["expert_params"]
+    assert shared["model_states"]["parameters"] > plain["model_states"]["parameters"]
+    dense = estimate.main(SMALL[:-2] + ["--micro-batch", "2", "--dense"])
+    assert dense["expert_params"] == 0 and dense["dense_params"] < plain["dense_params"] + plain["expert_params"]
+    for flags in (["--n-group", "4", "--topk-group", "2", "--exchange", "per_rank", "--scoring-func", "sigmoid"],
+                  ["--routing", "expert_choice", "--stage", "2"]):
+        assert estimate.main(SMALL + ["--micro-batch", "2"] + flags)["peak"] > 0, flags
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--ep-world-size", "3"], r"--ep-world-size \(3\) must divide --world-size \(16\)"),
+    (["--n-group", "3", "--topk-group", "1"], r"--n-group \(3\) must divide --num-experts \(8\)"),
+    (["--dense"], r"--dense has no experts to spread: use --ep-world-size 1, got 4"),
+])
+def test_bad_model_flags_stop_with_one_line_naming_the_flags(argv, message, capsys):
+    with pytest.raises(SystemExit) as stop:
+        estimate.main(SMALL + argv)
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and len(err.strip().splitlines()) == 1 and re.search(message, err), err
+
+
 def test_the_estimate_runs_without_triton_installed(monkeypatch):
     """A plain `pip install -e .` has no Triton: the simulated GPU world takes the kernels' shape-only
     implementations on meta tensors, which need no compiler, so the estimate runs all the same."""
