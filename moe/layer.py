@@ -263,6 +263,7 @@ class MoE(nn.Module):
             bias_update_speed=bias_update_speed, load_balancing_type=load_balancing_type, n_group=n_group,
             topk_group=topk_group, routing=routing,
         )
+        _check_expert_width(expert, hidden_size)
         shared = _shared_expert(expert, n_shared_experts, shared_expert, use_residual)
         groups = expert_groups(ep_size, use_data_before_expert_parallel) if ep_size > 1 else None
         ep_group = gate.ep_group = groups.ep_group if groups else None
@@ -335,6 +336,8 @@ class MoE(nn.Module):
             raise ValueError(
                 f"hidden_states must have shape [..., {self.hidden_size}], got {list(hidden_states.shape)}"
             )
+        if not hidden_states.is_floating_point():
+            raise TypeError(f"hidden_states must be a floating-point tensor, got {hidden_states.dtype}")
         x_SM = hidden_states.reshape(-1, self.hidden_size)
         seq_len = hidden_states.shape[-2] if hidden_states.dim() == 3 else None  # [batch, seq, hidden]
         out_SM = self.deepspeed_moe(x_SM, used_token, seq_len)
@@ -351,6 +354,20 @@ class MoE(nn.Module):
             coef = torch.softmax(self.coefficient(hidden_states), dim=-1)
             output = output * coef[..., 0:1] + output_mlp * coef[..., 1:]
         return output, self.deepspeed_moe.l_aux, self.deepspeed_moe.exp_counts
+
+
+def _check_expert_width(expert: nn.Module, hidden_size: int) -> None:
+    """An nn.Sequential expert that begins or ends with a Linear must take and give hidden_size features
+    (its output is added back in the tokens' place); other modules are the caller's to shape."""
+    if not isinstance(expert, nn.Sequential) or not len(expert):
+        return
+    first, last = expert[0], expert[-1]
+    if isinstance(first, nn.Linear) and first.in_features != hidden_size:
+        raise ValueError(f"the expert's first Linear takes {first.in_features} features; it must take hidden_size "
+                         f"({hidden_size})")
+    if isinstance(last, nn.Linear) and last.out_features != hidden_size:
+        raise ValueError(f"the expert's last Linear gives {last.out_features} features; it must give hidden_size "
+                         f"({hidden_size})")
 
 
 def _shared_expert(expert: nn.Module, n_shared_experts: int, shared_expert: nn.Module | None,

@@ -265,6 +265,17 @@ def test_bad_input_shape_names_hidden_size():
         layer(torch.randn(4, 6))
     with pytest.raises(ValueError, match="used_token must have 4 elements"):
         layer(torch.randn(4, 8), used_token=torch.ones(3))
+    with pytest.raises(TypeError, match="hidden_states must be a floating-point tensor, got torch.int64"):
+        layer(torch.ones(4, 8, dtype=torch.int64))
+
+
+def test_an_expert_of_another_width_than_hidden_size_is_refused_at_construction():
+    with pytest.raises(ValueError, match=r"the expert's first Linear takes 16 features; it must take hidden_size \(32\)"):
+        MoE(32, _mlp(16, 12), num_experts=2)
+    wrong_out = nn.Sequential(nn.Linear(8, 12), nn.GELU(), nn.Linear(12, 6))
+    with pytest.raises(ValueError, match=r"the expert's last Linear gives 6 features; it must give hidden_size \(8\)"):
+        MoE(8, wrong_out, num_experts=2)
+    MoE(8, nn.Sequential(nn.Linear(8, 12), nn.GELU(), nn.Linear(12, 8), nn.Identity()), num_experts=2)  # fits
 
 
 def test_deepcopy_per_expert_keeps_the_callers_module():
