@@ -290,8 +290,10 @@ def train(cfg: TrainConfig, given: set[str], rank: int, world: int) -> dict:
 
 def check(parser, cfg: TrainConfig, world: int) -> None:
     """The GPT recipe's own flag checks (the runner checks the shared ones); one line on error."""
-    require_at_least(parser, cfg, ("steps", "batch_size", "seq_len", "eval_interval", "eval_batches", "log_interval",
-                                   "n_layer"))
+    require_at_least(parser, cfg, ("steps", "batch_size", "gradient_accumulation_steps", "seq_len", "eval_interval",
+                                   "eval_batches", "log_interval", "n_layer"))
+    if not 0 <= cfg.dropout < 1:
+        fail(parser, f"--dropout must be at least 0 and below 1, got {cfg.dropout}")
     if not cfg.dense and cfg.num_experts < 1:
         fail(parser, f"--num-experts must be at least 1, got {cfg.num_experts}")
     if not cfg.dense and cfg.num_experts % cfg.ep_world_size:
@@ -353,8 +355,8 @@ class SampleConfig:
     checkpoint_dir: str = field(default="", metadata={"help": "the folder a training run saved its checkpoints into"})
     prompt: str = "The "
     new_tokens: int = 300
-    temperature: float = 0.8
-    top_k: int = 40
+    temperature: float = field(default=0.8, metadata={"help": "softmax temperature (0: the most likely byte)"})
+    top_k: int = field(default=40, metadata={"help": "sample from the k most likely bytes (0: from all 256)"})
     seed: int = 0
 
 
@@ -382,6 +384,11 @@ def sample(argv: list[str]) -> dict:
     parser = flag_parser(SampleConfig, "Generate text from a checkpoint of recipes.gpt.")
     parser.prog = "recipes.gpt sample"
     cfg = SampleConfig(**vars(parser.parse_args(argv)))
+    require_at_least(parser, cfg, ("new_tokens", "top_k"), 0)
+    if not (math.isfinite(cfg.temperature) and cfg.temperature >= 0):
+        fail(parser, f"--temperature must be a finite number >= 0, got {cfg.temperature}")
+    if not cfg.prompt:
+        fail(parser, "--prompt must hold at least one character (the model continues it)")
     saved = saved_config(parser, cfg.checkpoint_dir)
     saved.ep_world_size = 1  # checkpoints load at any expert-parallel size
     model = GPT(model_config(saved))

@@ -238,6 +238,8 @@ def test_cifar_under_torchrun_with_expert_parallelism(tmp_path):
     (gpt, ["--warmup-steps", "-5"], r"--warmup-steps must be 0 or more, got -5"),
     (gpt, ["--lr", "inf"], r"--lr must be a positive finite number, got inf"),
     (gpt, ["--resume", "sometimes"], r"argument --resume: invalid choice: 'sometimes'"),
+    (gpt, ["--dropout", "1.5"], r"--dropout must be at least 0 and below 1, got 1.5"),
+    (gpt, ["--gradient-accumulation-steps", "0"], r"--gradient-accumulation-steps must be at least 1, got 0"),
     (gpt, ["--batch-size", "1", "--seq-len", "2"],
      r"--batch-size x --seq-len \(1 x 2 = 2 tokens a micro-batch\) must be at least --min-capacity \(4\)"),
     (cifar, ["--moe", "--num-experts", "4", "--batch-size", "8", "--min-capacity", "100"],
@@ -628,3 +630,14 @@ def test_flag_names_rewrites_field_names_but_not_paths_attributes_or_quoted_keys
     # the model's ep_size is the recipes' --ep-world-size
     assert flag_names("num_experts (6) must be divisible by ep_size (4)", gpt.TrainConfig) == \
         "--num-experts (6) must be divisible by --ep-world-size (4)"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--new-tokens", "-5"], "--new-tokens must be 0 or more, got -5"),
+    (["--top-k", "-1"], "--top-k must be 0 or more, got -1"),
+    (["--temperature", "nan"], "--temperature must be a finite number >= 0, got nan"),
+    (["--prompt", ""], "--prompt must hold at least one character"),
+])
+def test_sample_refuses_bad_values_before_reading_a_checkpoint(argv, message, capsys):
+    code, err = _gpt_exit(["sample"] + argv, capsys)  # no --checkpoint-dir: the value is named first
+    assert code == 2 and len(err.splitlines()) == 1 and err.startswith(f"recipes.gpt sample: error: {message}"), err
