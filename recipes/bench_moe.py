@@ -30,7 +30,7 @@ from kernels import gemm, grouped_mm, grouped_mm_t, threads
 from moe import MoE
 from moe.layer import EXPERT_LAYOUTS
 from optim.memory import LiveBytes
-from recipes.cli import device_or_accelerator, flag_parser
+from recipes.cli import device_or_accelerator, fail, flag_parser, require_at_least
 from recipes.training import cpu_name
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -246,9 +246,15 @@ def _report(name: str, ms: float, peak: int, matmul_ms: float, rows: int, cfg: B
 
 def main(argv=None) -> dict:
     parser = flag_parser(BenchConfig, __doc__)
+    parser.prog = "recipes.bench_moe"
     cfg = BenchConfig(**vars(parser.parse_args(argv)))
     if cfg.dtype not in DTYPES or cfg.activation not in ACTIVATIONS or cfg.deepspeed not in ("auto", "on", "off"):
         parser.error(f"--dtype must be in {list(DTYPES)}, --activation in {list(ACTIVATIONS)}, --deepspeed auto|on|off")
+    require_at_least(parser, cfg, ("tokens", "hidden", "ffn", "experts", "steps"))
+    if not 1 <= cfg.k <= cfg.experts:
+        fail(parser, f"--k ({cfg.k}) must be between 1 and --experts ({cfg.experts})")
+    if not (math.isfinite(cfg.capacity_factor) and cfg.capacity_factor > 0):
+        fail(parser, f"--capacity-factor must be a positive finite number, got {cfg.capacity_factor}")
     cfg.device = device_or_accelerator(parser, cfg.device)
     print(cfg, f"threads={torch.get_num_threads()} CPU: {cpu_name()} torch {torch.__version__}")
     device, dtype = torch.device(cfg.device), DTYPES[cfg.dtype]

@@ -14,12 +14,12 @@ Routing is by a router of random weights on random tokens (a near-uniform load),
 (token, choice): a limit on groups changes which ranks a token reaches, not how many rows it sends.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from moe import topkgating
-from recipes.cli import flag_parser
+from recipes.cli import fail, flag_parser, require_at_least
 
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
@@ -31,8 +31,8 @@ class BenchConfig:
     experts: int = 64
     k: int = 8
     ep: int = 8
-    dtype: str = "bf16"
-    scoring_func: str = "sigmoid"
+    dtype: str = field(default="bf16", metadata={"choices": list(BYTES)})
+    scoring_func: str = field(default="sigmoid", metadata={"choices": ["softmax", "sigmoid"]})
     bias_spread: float = 0.0
     seed: int = 0
 
@@ -47,9 +47,14 @@ def rows_per_token(expert_SK: torch.Tensor, num_experts: int, ep: int, source_ra
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    cfg = BenchConfig(**vars(flag_parser(BenchConfig, __doc__).parse_args(argv)))
+    parser = flag_parser(BenchConfig, __doc__)
+    parser.prog = "recipes.bench_routing"
+    cfg = BenchConfig(**vars(parser.parse_args(argv)))
+    require_at_least(parser, cfg, ("tokens", "hidden", "experts", "ep"))
     if cfg.experts % cfg.ep:
-        raise SystemExit(f"--experts ({cfg.experts}) must be divisible by --ep ({cfg.ep})")
+        fail(parser, f"--experts ({cfg.experts}) must be divisible by --ep ({cfg.ep})")
+    if not 1 <= cfg.k <= cfg.experts:
+        fail(parser, f"--k ({cfg.k}) must be between 1 and --experts ({cfg.experts})")
     g = torch.Generator().manual_seed(cfg.seed)
     logits = torch.randn(cfg.tokens, cfg.hidden, generator=g) @ (torch.randn(cfg.hidden, cfg.experts, generator=g)
                                                                  / cfg.hidden ** 0.5)

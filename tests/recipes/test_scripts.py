@@ -1,5 +1,6 @@
 """The demo and the benchmarks run end to end at tiny sizes; what they print is what they measured."""
 
+import importlib
 import math
 import re
 import subprocess
@@ -115,3 +116,20 @@ def test_engine_benchmark_matches_the_zero_accounting_in_one_process(capsys):
         assert ms == pytest.approx(row["ms"]["ours"], abs=0.051)
         assert (peak, states, zero) == pytest.approx(
             (row["peak"]["ours"] / 2**20, row["model_states"] / 2**20, row["zero"] / 2**20), abs=0.051)
+
+
+@pytest.mark.parametrize("module, argv, message", [
+    ("bench_routing", ["--dtype", "fp8"], "argument --dtype: invalid choice: 'fp8'"),
+    ("bench_routing", ["--k", "99"], "--k (99) must be between 1 and --experts (64)"),
+    ("bench_routing", ["--ep", "3"], "--experts (64) must be divisible by --ep (3)"),
+    ("bench_moe", ["--experts", "0"], "--experts must be at least 1, got 0"),
+    ("bench_moe", ["--k", "3", "--experts", "2"], "--k (3) must be between 1 and --experts (2)"),
+    ("bench_moe", ["--capacity-factor", "0"], "--capacity-factor must be a positive finite number, got 0.0"),
+])
+def test_benchmark_flags_that_cannot_work_stop_with_one_line(module, argv, message, capsys):
+    bench = importlib.import_module(f"recipes.{module}")
+    with pytest.raises(SystemExit) as stop:
+        bench.main(argv)
+    err = capsys.readouterr().err.strip()
+    assert stop.value.code == 2 and len(err.splitlines()) == 1 and err.startswith(f"recipes.{module}: error: "), err
+    assert message in err, err
