@@ -300,6 +300,9 @@ def check(parser, cfg: TrainConfig, world: int) -> None:
         fail(parser, f"--num-experts ({cfg.num_experts}) must be divisible by --ep-world-size ({cfg.ep_world_size})")
     if not cfg.dense and not 1 <= cfg.top_k <= cfg.num_experts:
         fail(parser, f"--top-k ({cfg.top_k}) must be between 1 and --num-experts ({cfg.num_experts})")
+    if (cfg.n_group == 0) != (cfg.topk_group == 0):
+        fail(parser, f"group-limited routing needs both --n-group and --topk-group (0: off), got --n-group "
+                     f"{cfg.n_group} and --topk-group {cfg.topk_group}")
     tokens = cfg.batch_size * cfg.seq_len  # one micro-batch's tokens in a process: what a MoE layer routes
     if not cfg.dense and not cfg.dropless and cfg.routing == "token_choice" and tokens < cfg.min_capacity:
         fail(parser, f"--batch-size x --seq-len ({cfg.batch_size} x {cfg.seq_len} = {tokens} tokens a micro-batch) "

@@ -239,6 +239,7 @@ def test_cifar_under_torchrun_with_expert_parallelism(tmp_path):
     (gpt, ["--lr", "inf"], r"--lr must be a positive finite number, got inf"),
     (gpt, ["--resume", "sometimes"], r"argument --resume: invalid choice: 'sometimes'"),
     (gpt, ["--dropout", "1.5"], r"--dropout must be at least 0 and below 1, got 1.5"),
+    (gpt, ["--n-group", "3"], r"needs both --n-group and --topk-group \(0: off\), got --n-group 3 and --topk-group 0"),
     (gpt, ["--gradient-accumulation-steps", "0"], r"--gradient-accumulation-steps must be at least 1, got 0"),
     (gpt, ["--batch-size", "1", "--seq-len", "2"],
      r"--batch-size x --seq-len \(1 x 2 = 2 tokens a micro-batch\) must be at least --min-capacity \(4\)"),
