@@ -166,7 +166,8 @@ def test_auto_layout_on_a_gpu_is_grouped_where_torch_grouped_gemm_runs_in_bf16(m
     odd_ffn = nn.Sequential(nn.Linear(16, 36), nn.GELU(), nn.Linear(36, 16))
     assert layer(expert=odd_ffn)._layout(cuda, torch.bfloat16) == "padded"  # 72-byte hidden rows
     wider_out = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 12))
-    assert layer(expert=wider_out)._layout(cuda, torch.bfloat16) == "padded"  # 24-byte output rows
+    with pytest.raises(ValueError, match=r"the expert's last Linear gives 12 features"):
+        layer(expert=wider_out)  # its rows could not stand in the tokens' place: refused before any layout
     assert layer(routing="expert_choice")._layout(cuda, torch.bfloat16) == "grouped"
     from moe import layer as layer_module
     monkeypatch.setattr(layer_module, "autocast_dtype", lambda device: torch.bfloat16)
