@@ -33,8 +33,8 @@ such a product, and a timing that small is noise), so small models are bitwise r
 processes too. Half-precision products on a CPU without native half multiply-adds (oneDNN does not run
 the dtype) take the widened product, unmeasured (`candidates`). Checkpoints record the choices and a resumed run adopts them (`adopt`). MOE_CPU_GEMM=blas,
 onednn or widened forces a backend (BLAS where the forced one does not run the dtype);
-MOE_CPU_GEMM_CACHE=<file.json> keeps choices across processes (entries are kept per CPU model and
-torch version). Other devices, float64 and code being compiled use torch's
+MOE_CPU_GEMM_CACHE=<file.json> keeps choices across processes (entries are kept per CPU, as
+`cpu_model` describes it, torch version and thread count). Other devices, float64 and code being compiled use torch's
 own products.
 """
 
@@ -495,17 +495,41 @@ def _machine() -> str:
     return f"{platform.machine()} {cpu_model()} torch {torch.__version__} threads {threads.caller_threads()}"
 
 
+# the vector extensions that decide which products are fast: /proc/cpuinfo's flag -> its name
+_CPU_FEATURES = (("avx2", "AVX2"), ("avx512f", "AVX-512"), ("avx512_bf16", "AVX512-BF16"), ("amx_bf16", "AMX"))
+
+
 @functools.cache
-def cpu_model() -> str:
-    """The CPU's model name (Linux's /proc/cpuinfo): choices are kept per machine, figures name it."""
+def cpu_model(cpuinfo: str = "/proc/cpuinfo") -> str:
+    """The CPU's model name, family, model number and vector extensions, as benchmarks print it and the
+    cache file keys its choices: "AMD EPYC (family 25 model 17; AVX2, AVX-512, AVX512-BF16, no AMX)".
+
+    CPUs sold under one name differ in what decides the products' speed (an "AMD EPYC" may have AVX2
+    only, or AVX-512 with bf16 products). Read from Linux's /proc/cpuinfo (its first processor);
+    elsewhere the platform's processor name.
+
+    Args:
+        cpuinfo: the file to read (tests give their own).
+    """
+    fields = {}
     try:
-        with open("/proc/cpuinfo") as f:
+        with open(cpuinfo) as f:
             for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
+                if not line.strip():
+                    break  # the first processor's block ends here
+                key, _, value = line.partition(":")
+                fields[key.strip()] = value.strip()
     except OSError:
         pass
-    return platform.processor() or "unknown CPU"
+    name = fields.get("model name") or platform.processor() or "unknown CPU"
+    if "flags" not in fields:
+        return name
+    flags = set(fields["flags"].split())
+    features = [label if flag in flags else "no " + label for flag, label in _CPU_FEATURES
+                if flag in flags or label in ("AVX2", "AVX-512", "AMX")]
+    numbered = "cpu family" in fields and "model" in fields
+    where = f"family {fields['cpu family']} model {fields['model']}; " if numbered else ""
+    return f"{name} ({where}{', '.join(features)})"
 
 
 def _load() -> None:

@@ -357,15 +357,16 @@ class MoE(nn.Module):
 
 
 def _check_expert_width(expert: nn.Module, hidden_size: int) -> None:
-    """An nn.Sequential expert that begins or ends with a Linear must take and give hidden_size features
-    (its output is added back in the tokens' place); other modules are the caller's to shape."""
-    if not isinstance(expert, nn.Sequential) or not len(expert):
+    """A plain nn.Sequential expert's first and last nn.Linear must take and give hidden_size features."""
+    # only plain Sequentials run their modules in order (a subclass may have its own forward, as a
+    # SwiGLU does); a lazy Linear has no width until its first call
+    if type(expert) is not nn.Sequential or not len(expert):
         return
     first, last = expert[0], expert[-1]
-    if isinstance(first, nn.Linear) and first.in_features != hidden_size:
+    if type(first) is nn.Linear and first.in_features != hidden_size:
         raise ValueError(f"the expert's first Linear takes {first.in_features} features; it must take hidden_size "
                          f"({hidden_size})")
-    if isinstance(last, nn.Linear) and last.out_features != hidden_size:
+    if type(last) is nn.Linear and last.out_features != hidden_size:
         raise ValueError(f"the expert's last Linear gives {last.out_features} features; it must give hidden_size "
                          f"({hidden_size})")
 

@@ -251,6 +251,9 @@ def main(argv=None) -> dict:
     if cfg.dtype not in DTYPES or cfg.activation not in ACTIVATIONS or cfg.deepspeed not in ("auto", "on", "off"):
         parser.error(f"--dtype must be in {list(DTYPES)}, --activation in {list(ACTIVATIONS)}, --deepspeed auto|on|off")
     require_at_least(parser, cfg, ("tokens", "hidden", "ffn", "experts", "steps"))
+    require_at_least(parser, cfg, ("warmup",), 0)
+    if cfg.tokens < 4:
+        fail(parser, f"--tokens ({cfg.tokens}) must be at least 4, the layers' min_capacity")
     if not 1 <= cfg.k <= cfg.experts:
         fail(parser, f"--k ({cfg.k}) must be between 1 and --experts ({cfg.experts})")
     if not (math.isfinite(cfg.capacity_factor) and cfg.capacity_factor > 0):

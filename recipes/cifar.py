@@ -310,6 +310,7 @@ def train(cfg: CifarConfig, given: set[str], rank: int, world: int) -> dict:
 
 def check(parser, cfg: CifarConfig, world: int) -> None:
     """The CIFAR recipe's own flag checks (the runner checks the shared ones); one line on error."""
+    require_at_least(parser, cfg, ("epochs", "batch_size", "log_interval"))
     if cfg.moe:
         for n in cfg.num_experts:
             if n < 1 or n % cfg.ep_world_size:
@@ -321,7 +322,6 @@ def check(parser, cfg: CifarConfig, world: int) -> None:
                          "a MoE layer's tokens are a micro-batch's images")
     elif cfg.ep_world_size > 1:
         fail(parser, f"--ep-world-size {cfg.ep_world_size} needs --moe (there are no experts to spread)")
-    require_at_least(parser, cfg, ("epochs", "batch_size", "log_interval"))
 
 
 RECIPE = runner.Recipe(prog="recipes.cifar", config_class=CifarConfig, description=__doc__, check=check,

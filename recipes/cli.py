@@ -255,8 +255,8 @@ _OWN_RATES = ("warmup_max_lr", "cycle_max_lr", "lr_range_test_min_lr")
 
 
 def _warn_if_lr_overridden(config: dict, fragment: dict) -> None:
-    """Warn that a written --lr does not set the learning rate under a schedule (from the JSON file) that
-    sets it from its own rates, unless the flag sets that rate too (as the CIFAR recipe's --lr does)."""
+    """Warn when a schedule from the JSON file sets the learning rate from its own rates that --lr does not set."""
+    # (the CIFAR recipe's --lr sets warmup_max_lr too, so under WarmupLR it does change the rate)
     scheduler = config.get("scheduler")
     taken = _params_taken("scheduler", _type_of(config, "scheduler")) or set()
     rate = next((name for name in _OWN_RATES if name in taken), None)

@@ -143,7 +143,8 @@ def main(argv=None) -> dict:
         print(f"final mse (mean of the last {min(cfg.log_interval, cfg.steps)} steps): MoE {moe_mse:.4f}  "
               f"dense MLP of one expert's size {result['dense']:.4f}", flush=True)
     elif rank == 0:
-        print(f"final mse on rank 0 (mean of the last {min(cfg.log_interval, cfg.steps)} steps): MoE {moe_mse:.4f}", flush=True)
+        print(f"final mse on rank 0 (mean of the last {min(cfg.log_interval, cfg.steps)} steps): MoE {moe_mse:.4f}",
+              flush=True)
     if dist.is_initialized():
         dist.barrier()  # no rank tears its group down while a peer's last exchange is in flight
         dist.destroy_process_group()

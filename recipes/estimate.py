@@ -174,6 +174,7 @@ def main(argv: list[str] | None = None) -> dict:
         fail(parser, f"--gpu-memory-gb must be > 0, got {cfg.gpu_memory_gb}")
     if cfg.world_size % cfg.ep_world_size:
         fail(parser, f"--ep-world-size ({cfg.ep_world_size}) must divide --world-size ({cfg.world_size})")
+    gpt.check_routing(parser, cfg, "--micro-batch", cfg.micro_batch)
     if cfg.dense and cfg.ep_world_size > 1:
         fail(parser, f"--dense has no experts to spread: use --ep-world-size 1, got {cfg.ep_world_size}")
     if not 0 <= cfg.rank < cfg.world_size:

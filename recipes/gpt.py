@@ -300,14 +300,7 @@ def check(parser, cfg: TrainConfig, world: int) -> None:
         fail(parser, f"--num-experts ({cfg.num_experts}) must be divisible by --ep-world-size ({cfg.ep_world_size})")
     if not cfg.dense and not 1 <= cfg.top_k <= cfg.num_experts:
         fail(parser, f"--top-k ({cfg.top_k}) must be between 1 and --num-experts ({cfg.num_experts})")
-    if (cfg.n_group == 0) != (cfg.topk_group == 0):
-        fail(parser, f"group-limited routing needs both --n-group and --topk-group (0: off), got --n-group "
-                     f"{cfg.n_group} and --topk-group {cfg.topk_group}")
-    tokens = cfg.batch_size * cfg.seq_len  # one micro-batch's tokens in a process: what a MoE layer routes
-    if not cfg.dense and not cfg.dropless and cfg.routing == "token_choice" and tokens < cfg.min_capacity:
-        fail(parser, f"--batch-size x --seq-len ({cfg.batch_size} x {cfg.seq_len} = {tokens} tokens a micro-batch) "
-                     f"must be at least --min-capacity ({cfg.min_capacity}) when dropping tokens; lower "
-                     "--min-capacity or pass --dropless")
+    check_routing(parser, cfg, "--batch-size", cfg.batch_size)
     if not cfg.dense and not 1 <= cfg.moe_every <= cfg.n_layer:
         fail(parser, f"--moe-every ({cfg.moe_every}) must be between 1 and --n-layer ({cfg.n_layer}), or the "
                      "model has no MoE block (the dense twin is --dense)")
@@ -323,6 +316,21 @@ def check(parser, cfg: TrainConfig, world: int) -> None:
         model_config(cfg)
     except ValueError as error:
         fail(parser, flag_names(str(error), TrainConfig))
+
+
+def check_routing(parser, cfg, batch_flag: str, batch: int) -> None:
+    """The routing flags' checks that recipes.estimate shares: --n-group and --topk-group go together, and
+    a micro-batch's tokens in a process (what a MoE layer routes) reach --min-capacity when dropping."""
+    if cfg.dense:
+        return
+    if (cfg.n_group == 0) != (cfg.topk_group == 0):
+        fail(parser, f"group-limited routing needs both --n-group and --topk-group (0: off), got --n-group "
+                     f"{cfg.n_group} and --topk-group {cfg.topk_group}")
+    tokens = batch * cfg.seq_len
+    if not cfg.dropless and cfg.routing == "token_choice" and tokens < cfg.min_capacity:
+        fail(parser, f"{batch_flag} x --seq-len ({batch} x {cfg.seq_len} = {tokens} tokens a micro-batch) must be at "
+                     f"least --min-capacity ({cfg.min_capacity}) when dropping tokens; lower --min-capacity or pass "
+                     "--dropless")
 
 
 def compile_setup(cfg: TrainConfig):

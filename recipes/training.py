@@ -104,36 +104,10 @@ def resumed_line(path: str, where: str, done: int, flag: str, end: int) -> str:
     return f"resumed from {path} {where} {done}" + (f"; {flag} {end} are done: nothing to train" if done >= end else "")
 
 
-# the vector extensions that decide these benchmarks' CPU figures: /proc/cpuinfo's flag -> its name
-_CPU_FEATURES = (("avx2", "AVX2"), ("avx512f", "AVX-512"), ("avx512_bf16", "AVX512-BF16"), ("amx_bf16", "AMX"))
-
-
-def cpu_name(cpuinfo: str = "/proc/cpuinfo") -> str:
-    """The CPU model with its family, model number and vector extensions, so that a speed figure says
-    where it was taken: "AMD EPYC (family 25 model 17; AVX2, AVX-512, AVX512-BF16, no AMX)".
-
-    CPUs sold under one name differ in what decides these figures (an "AMD EPYC" may have AVX2
-    only, or AVX-512 with bf16 products). Read from Linux's /proc/cpuinfo (its first processor);
-    elsewhere the model name alone.
-    """
-    fields = {}
-    try:
-        with open(cpuinfo) as f:
-            for line in f:
-                if not line.strip():
-                    break  # the first processor's block ends here
-                key, _, value = line.partition(":")
-                fields[key.strip()] = value.strip()
-    except OSError:
-        pass
-    name = fields.get("model name") or gemm.cpu_model()
-    if "flags" not in fields:
-        return name
-    flags = set(fields["flags"].split())
-    has = [label for flag, label in _CPU_FEATURES if flag in flags]
-    lacks = [label for flag, label in _CPU_FEATURES if flag not in flags and label in ("AVX-512", "AMX")]
-    where = f"family {fields['cpu family']} model {fields['model']}; " if "cpu family" in fields and "model" in fields else ""
-    return f"{name} ({where}{', '.join(has + ['no ' + label for label in lacks])})"
+def cpu_name() -> str:
+    """The CPU's model, family and vector extensions (`kernels.gemm.cpu_model`), so that a speed figure
+    says where it was taken."""
+    return gemm.cpu_model()
 
 
 # The checkpoint folder of a run: one writer at a time, interrupted saves cleared, old checkpoints pruned.

@@ -5,6 +5,8 @@ bf16 against the fp32 product cast to bf16, 2e-2.
 """
 
 import json
+import platform
+import re
 import threading
 
 import pytest
@@ -538,3 +540,35 @@ def test_only_rank_0_announces_a_long_measurement(monkeypatch, caplog):
     with caplog.at_level("WARNING", logger="kernels.gemm"):
         gemm._notice(60.0)
     assert caplog.records == []
+
+
+AVX512_EPYC = """processor\t: 0
+vendor_id\t: AuthenticAMD
+cpu family\t: 25
+model\t\t: 17
+model name\t: AMD EPYC
+flags\t\t: fpu sse2 avx avx2 avx512f avx512dq avx512_bf16 avx512_vnni
+
+processor\t: 1
+model name\t: another name the first processor's block must win over
+"""
+
+
+@pytest.mark.parametrize("flags, features", [
+    ("avx avx2 avx512f avx512_bf16", "AVX2, AVX-512, AVX512-BF16, no AMX"),
+    ("avx avx2", "AVX2, no AVX-512, no AMX"),
+    ("avx2 avx512f avx512_bf16 amx_tile amx_bf16 amx_int8", "AVX2, AVX-512, AVX512-BF16, AMX"),
+    ("sse2", "no AVX2, no AVX-512, no AMX"),
+])
+def test_the_cpu_name_says_family_model_and_vector_extensions(tmp_path, flags, features):
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text(re.sub(r"flags\t\t: .*", f"flags\\t\\t: {flags}", AVX512_EPYC))
+    assert gemm.cpu_model(str(cpuinfo)) == f"AMD EPYC (family 25 model 17; {features})"
+
+
+def test_without_cpu_flags_the_cpu_name_is_the_model_name_alone(tmp_path):
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nmodel name\t: Some CPU\n")
+    assert gemm.cpu_model(str(cpuinfo)) == "Some CPU"
+    assert gemm.cpu_model(str(tmp_path / "missing")) == (platform.processor() or "unknown CPU")
+    assert gemm.cpu_model() in gemm._machine()  # the cache file's entries are kept per CPU so described

@@ -270,12 +270,34 @@ def test_bad_input_shape_names_hidden_size():
 
 
 def test_an_expert_of_another_width_than_hidden_size_is_refused_at_construction():
-    with pytest.raises(ValueError, match=r"the expert's first Linear takes 16 features; it must take hidden_size \(32\)"):
+    with pytest.raises(ValueError, match=r"the expert's first Linear takes 16 features; it must take hidden_size \(32"):
         MoE(32, _mlp(16, 12), num_experts=2)
     wrong_out = nn.Sequential(nn.Linear(8, 12), nn.GELU(), nn.Linear(12, 6))
     with pytest.raises(ValueError, match=r"the expert's last Linear gives 6 features; it must give hidden_size \(8\)"):
         MoE(8, wrong_out, num_experts=2)
     MoE(8, nn.Sequential(nn.Linear(8, 12), nn.GELU(), nn.Linear(12, 8), nn.Identity()), num_experts=2)  # fits
+
+
+class _SwiGLU(nn.Sequential):
+    """LLaMA's feed-forward, w2(silu(w1 x) * w3 x), held in a Sequential of its own forward (last: w3, M -> H)."""
+
+    def __init__(self, m: int, h: int):
+        super().__init__(nn.Linear(m, h), nn.Linear(h, m), nn.Linear(m, h))
+
+    def forward(self, x):
+        w1, w2, w3 = self
+        return w2(torch.nn.functional.silu(w1(x)) * w3(x))
+
+
+@pytest.mark.parametrize("expert", [_SwiGLU(8, 16), nn.Sequential(nn.LazyLinear(16), nn.GELU(), nn.Linear(16, 8))],
+                         ids=["sequential-subclass", "lazy-linear"])
+def test_experts_whose_widths_the_layer_cannot_read_off_are_taken(expert):
+    torch.manual_seed(12)
+    layer = MoE(8, expert, num_experts=2, k=1, min_capacity=0)
+    x = torch.randn(6, 8, requires_grad=True)
+    out, l_aux, _ = layer(x)
+    (out.sum() + l_aux).backward()
+    assert out.shape == (6, 8) and x.grad is not None
 
 
 def test_deepcopy_per_expert_keeps_the_callers_module():

@@ -7,7 +7,7 @@ import warnings
 
 import pytest
 
-from recipes import estimate
+from recipes import estimate, gpt
 
 SMALL = ["--n-layer", "2", "--n-embd", "64", "--n-head", "2", "--ffn", "256", "--num-experts", "8", "--seq-len", "32",
          "--world-size", "16", "--ep-world-size", "4"]
@@ -70,10 +70,29 @@ def test_the_gpt_recipes_router_and_shared_expert_flags_reach_the_model():
         assert estimate.main(SMALL + ["--micro-batch", "2"] + flags)["peak"] > 0, flags
 
 
+def test_every_router_flag_reaches_the_gpt_model_it_estimates():
+    """Each of ROUTER_FLAGS set away from its default arrives in the model's config (--dense as no MoE block)."""
+    changed = {"dense": True, "min_capacity": 7, "n_shared_experts": 2, "shared_expert_gate": True,
+               "scoring_func": "sigmoid", "norm_topk_prob": "false", "routed_scaling_factor": 2.5,
+               "bias_update_speed": 1e-3, "load_balancing_type": "seq_aux_loss", "n_group": 4, "topk_group": 2,
+               "routing": "expert_choice", "exchange": "per_rank"}
+    assert set(changed) == set(estimate.ROUTER_FLAGS)
+    default = gpt.model_config(estimate._train_config(estimate.EstimateConfig()))
+    for name, value in changed.items():
+        model = gpt.model_config(estimate._train_config(estimate.EstimateConfig(**{name: value})))
+        if name == "dense":
+            assert model.moe_every == 0 and default.moe_every == 2
+        else:
+            assert getattr(model, name) == value != getattr(default, name), name
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--ep-world-size", "3"], r"--ep-world-size \(3\) must divide --world-size \(16\)"),
     (["--n-group", "3", "--topk-group", "1"], r"--n-group \(3\) must divide --num-experts \(8\)"),
     (["--dense"], r"--dense has no experts to spread: use --ep-world-size 1, got 4"),
+    (["--n-group", "4"], r"needs both --n-group and --topk-group \(0: off\), got --n-group 4 and --topk-group 0"),
+    (["--micro-batch", "1", "--seq-len", "2"], r"--micro-batch x --seq-len \(1 x 2 = 2 tokens a micro-batch\) must "
+                                               r"be at least --min-capacity \(4\)"),
 ])
 def test_bad_model_flags_stop_with_one_line_naming_the_flags(argv, message, capsys):
     with pytest.raises(SystemExit) as stop:

@@ -54,33 +54,3 @@ def test_no_eta_in_the_warm_up_steps_after_a_resume(monkeypatch, capsys):
     assert len(warm_up) >= 5 and all(etas[step] == "--" for step in warm_up)
     assert _seconds(etas[950]) == pytest.approx(2.0 * 50, abs=1) and etas[1000] == "0m00s"
 
-
-AVX512_EPYC = """processor\t: 0
-vendor_id\t: AuthenticAMD
-cpu family\t: 25
-model\t\t: 17
-model name\t: AMD EPYC
-flags\t\t: fpu sse2 avx avx2 avx512f avx512dq avx512_bf16 avx512_vnni
-
-processor\t: 1
-model name\t: another name the first processor's block must win over
-"""
-
-
-@pytest.mark.parametrize("flags, features", [
-    ("avx avx2 avx512f avx512_bf16", "AVX2, AVX-512, AVX512-BF16, no AMX"),
-    ("avx avx2", "AVX2, no AVX-512, no AMX"),
-    ("avx2 avx512f avx512_bf16 amx_tile amx_bf16 amx_int8", "AVX2, AVX-512, AVX512-BF16, AMX"),
-    ("sse2", "no AVX-512, no AMX"),
-])
-def test_the_cpu_name_says_family_model_and_vector_extensions(tmp_path, flags, features):
-    cpuinfo = tmp_path / "cpuinfo"
-    cpuinfo.write_text(re.sub(r"flags\t\t: .*", f"flags\\t\\t: {flags}", AVX512_EPYC))
-    assert training.cpu_name(str(cpuinfo)) == f"AMD EPYC (family 25 model 17; {features})"
-
-
-def test_without_cpu_flags_the_cpu_name_is_the_model_name_alone(tmp_path):
-    cpuinfo = tmp_path / "cpuinfo"
-    cpuinfo.write_text("processor\t: 0\nmodel name\t: Some CPU\n")
-    assert training.cpu_name(str(cpuinfo)) == "Some CPU"
-    assert training.cpu_name(str(tmp_path / "missing")) == training.gemm.cpu_model()

@@ -76,7 +76,8 @@ def test_demo_under_torchrun_with_expert_parallelism(tmp_path):
     found = re.findall(r"^rank (\d): holds experts (\d+)\.\.(\d+); its tokens went to experts \[([0-9, ]+)\] in the "
                        r"last step$", done.stdout, re.MULTILINE)  # whole lines: rank 0 prints every rank's
     assert [int(rank) for rank, *_ in found] == [0, 1], done.stdout  # once each, in rank order
-    held = {int(rank): (int(first), int(last), [int(c) for c in counts.split(",")]) for rank, first, last, counts in found}
+    held = {int(rank): (int(first), int(last), [int(c) for c in counts.split(",")])
+            for rank, first, last, counts in found}
     assert [held[rank][:2] for rank in (0, 1)] == [(0, 1), (2, 3)]  # blocks of experts / ep_size, in rank order
     for _, _, counts in held.values():  # a rank's tokens, by global expert: at most one choice per token (k = 1)
         assert len(counts) == 4 and 0 < sum(counts) <= 512
@@ -125,6 +126,8 @@ def test_engine_benchmark_matches_the_zero_accounting_in_one_process(capsys):
     ("bench_moe", ["--experts", "0"], "--experts must be at least 1, got 0"),
     ("bench_moe", ["--k", "3", "--experts", "2"], "--k (3) must be between 1 and --experts (2)"),
     ("bench_moe", ["--capacity-factor", "0"], "--capacity-factor must be a positive finite number, got 0.0"),
+    ("bench_moe", ["--tokens", "2"], "--tokens (2) must be at least 4, the layers' min_capacity"),
+    ("bench_moe", ["--warmup", "-1"], "--warmup must be 0 or more, got -1"),
 ])
 def test_benchmark_flags_that_cannot_work_stop_with_one_line(module, argv, message, capsys):
     bench = importlib.import_module(f"recipes.{module}")
