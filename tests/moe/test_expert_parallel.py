@@ -81,6 +81,26 @@ def test_world_2_ep_2():
     run_distributed(_check_all, 2, [(2, k, layout) for k in (1, 2) for layout in ("padded", "dropless")])
 
 
+def _few_tokens_in_eval(rank, world):
+    """Eval with fewer tokens than min_capacity on every rank: nothing dropped, as the one-process dropless layer."""
+    for layout in ("padded", "packed"):
+        reset_groups()
+        kwargs = dict(num_experts=E, k=2, min_capacity=4, expert_init="per_expert_seed", seed=3)
+        torch.manual_seed(0)  # the same router on every rank
+        layer = MoE(M, nn.Sequential(nn.Linear(M, H), nn.GELU(), nn.Linear(H, M)), ep_size=2, expert_layout=layout,
+                    **kwargs).eval()
+        reference = MoE(M, nn.Sequential(nn.Linear(M, H), nn.GELU(), nn.Linear(H, M)), dropless=True, **kwargs).eval()
+        reference.deepspeed_moe.gate.load_state_dict(layer.deepspeed_moe.gate.state_dict())
+        x = _inputs(rank)[0][:3]
+        out = layer(x)[0]
+        assert int((layer.deepspeed_moe.routing.expert_idx_SK < 0).sum()) == 0, layout
+        torch.testing.assert_close(out, reference(x)[0], **FP32, msg=layout)
+
+
+def test_eval_with_fewer_tokens_than_min_capacity_drops_nothing_under_expert_parallelism():
+    run_distributed(_few_tokens_in_eval, 2)
+
+
 def _bad_layouts(rank, world):
     reset_groups()
     groups = expert_groups(2)
