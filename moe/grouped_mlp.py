@@ -43,11 +43,12 @@ from kernels.grouped_gemm import group_offsets, runs_natively
 __all__ = ["ACTIVATIONS", "grouped_mlp"]
 
 ACTIVATIONS = ("relu", "gelu", "silu", "tanh", "sigmoid")
-# multiply-adds of the first product from which the concurrent plan is a candidate: while the workers
-# run, the caller's idle OpenMP threads spin for a while (libgomp's default wait policy), which costs
-# a few ms per layer call; at the GPT recipe's 8 experts of [~1024, 128] x [128, 256] (2^28) the plan
-# measured faster alone but made the training step 4% slower, at 64 experts of [~256, 512] x [512, 2048]
-# (2^34) it made the layer 6% faster
+# multiply-adds of the first product from which the concurrent plan is a candidate when its workers
+# are a pool of threads (kernels.threads): while they run, the caller's idle OpenMP threads spin for a
+# while (libgomp's default wait policy), which costs a few ms per layer call; at the GPT recipe's 8
+# experts of [~1024, 128] x [128, 256] (2^28) the plan measured faster alone but made the training step
+# 4% slower, at 64 experts of [~256, 512] x [512, 2048] (2^34) it made the layer 6% faster. On torch's
+# own OpenMP team nothing spins beside the workers: the plan is a candidate for every measured layer.
 CONCURRENT_FROM = 1 << 32
 # the per-expert backward makes all experts' hidden gradients in one [N, H] buffer, then runs the
 # activation's backward once over every row, when that buffer takes at most this many bytes; beyond,
@@ -441,7 +442,7 @@ def _measured_plan(x_NM, weight1, bias1, weight2, bias2, counts: list[int], acti
     # the candidates depend on the shape class only (its rows, not this batch's), so every batch of a
     # class is offered the same plans and a choice once made is never measured again
     candidates = ["per_expert"] + ["grouped"] * native
-    if threads.workers() > 1 and gemm.class_rows(x_NM.shape[0]) * M * H >= CONCURRENT_FROM:
+    if threads.workers() > 1 and (threads.openmp_team() or gemm.class_rows(x_NM.shape[0]) * M * H >= CONCURRENT_FROM):
         candidates.append("concurrent")
     if len(candidates) == 1 or torch.is_inference_mode_enabled():  # inference: no backward can run to be timed
         return "per_expert"

@@ -1,11 +1,14 @@
 """Experts side by side on single-threaded CPU workers (kernels.threads, the MLP's concurrent plan).
 
-The plan is compared with plain torch autograd on per-expert F.linear products: float64 at 1e-10
-(only the order of sums differs), fp32 at 1e-5; two runs of the plan give bitwise equal results.
+The workers are torch's OpenMP team where this process can call its runtime (Linux), else a pool of
+threads; the tests of `run_each` run on both (`workers_of` forces the pool). The plan is compared
+with plain torch autograd on per-expert F.linear products: float64 at 1e-10 (only the order of sums
+differs), fp32 at 1e-5; two runs of the plan give bitwise equal results, on either kind of worker.
 """
 
 import json
 import threading
+import time
 
 import pytest
 import torch
@@ -35,18 +38,43 @@ def two_threads():
     torch.set_num_threads(before)
 
 
-def test_every_item_runs_once_on_single_threaded_workers_while_the_caller_keeps_its_threads(two_threads):
+@pytest.fixture(params=["team", "pool"])
+def workers_of(request, monkeypatch):
+    """Which workers run_each uses: torch's OpenMP team (where this process can call its runtime) or the pool."""
+    if request.param == "pool":
+        monkeypatch.setattr(threads, "openmp_team", lambda: False)
+    elif not threads.openmp_team():
+        pytest.skip("torch's intra-op threads are not an OpenMP team this process can call (not Linux, or "
+                    "another threading backend): run_each uses the pool, tested beside this")
+    return request.param
+
+
+def _single_threaded() -> bool:
+    """Whether torch ops called on this thread run on it alone: one intra-op thread (a pool worker), or
+    inside an OpenMP parallel region (a team member), where torch's parallel loops and BLAS run serially."""
+    if torch.get_num_threads() == 1:
+        return True
+    runtime = threads._openmp_runtime()
+    return runtime is not None and bool(runtime[1].omp_in_parallel())
+
+
+def test_every_item_runs_once_on_single_threaded_workers_while_the_caller_keeps_its_threads(two_threads, workers_of):
     seen, lock = [], threading.Lock()
 
     def work(item):
+        time.sleep(0.01)  # long enough for every worker to take items
         with lock:
-            seen.append((item, torch.get_num_threads(), threading.current_thread() is threading.main_thread()))
+            seen.append((item, _single_threaded(), threads.on_worker(), threading.get_ident()))
 
     threads.run_each(work, range(7))
-    assert sorted(item for item, _, _ in seen) == list(range(7))
-    assert {count for _, count, _ in seen} == {1}
-    assert not any(on_main for _, _, on_main in seen)
-    assert torch.get_num_threads() == 2
+    assert sorted(item for item, *_ in seen) == list(range(7))
+    assert all(alone and on_worker for _, alone, on_worker, _ in seen)
+    assert len({ident for *_, ident in seen}) == 2  # both workers took items
+    if workers_of == "pool":
+        assert threading.get_ident() not in {ident for *_, ident in seen}
+    else:  # the caller's thread is the team's first member
+        assert threading.get_ident() in {ident for *_, ident in seen}
+    assert torch.get_num_threads() == 2 and not threads.on_worker() and not _single_threaded()
     counts = []  # a thread started afterwards still gets the process's count, not the workers' one
     later = threading.Thread(target=lambda: counts.append(torch.get_num_threads()))
     later.start()
@@ -54,7 +82,7 @@ def test_every_item_runs_once_on_single_threaded_workers_while_the_caller_keeps_
     assert counts == [2]
 
 
-def test_a_new_thread_count_makes_a_new_pool(two_threads):
+def test_a_new_thread_count_makes_as_many_workers(two_threads, workers_of):
     threads.run_each(lambda item: None, range(2))
     torch.set_num_threads(3)
     together = threading.Barrier(3, timeout=10)  # passes only if three workers run at once
@@ -62,13 +90,34 @@ def test_a_new_thread_count_makes_a_new_pool(two_threads):
 
     def work(item):
         together.wait()
-        seen.append(torch.get_num_threads())
+        seen.append(_single_threaded())
 
     threads.run_each(work, range(3))
-    assert seen == [1] * 3 and threads.workers() == 3 and torch.get_num_threads() == 3
+    assert seen == [True] * 3 and threads.workers() == 3 and torch.get_num_threads() == 3
 
 
-def test_workers_follow_the_callers_grad_and_inference_modes(two_threads):
+def test_run_each_inside_a_worker_runs_the_inner_items_there(two_threads, workers_of):
+    """A nested call (an item calling run_each) runs its items on the calling worker, in order."""
+    seen, lock = {}, threading.Lock()
+
+    def inner(item):
+        with lock:
+            seen.setdefault(item // 10, []).append((item, threading.get_ident(), threads.on_worker()))
+
+    def outer(item):
+        time.sleep(0.01)
+        threads.run_each(inner, [10 * item + i for i in range(3)])
+        assert threads.on_worker()  # still a worker after the inner call
+
+    threads.run_each(outer, range(4))
+    assert sorted(seen) == list(range(4))
+    for item, runs in seen.items():
+        assert [i for i, _, _ in runs] == [10 * item + i for i in range(3)]
+        assert len({ident for _, ident, _ in runs}) == 1 and all(on for _, _, on in runs)
+    assert not threads.on_worker()
+
+
+def test_workers_follow_the_callers_grad_and_inference_modes(two_threads, workers_of):
     modes = []
 
     def work(item):
@@ -90,7 +139,7 @@ def test_the_concurrent_plan_runs_under_inference_mode(two_threads):
     torch.testing.assert_close(got, _reference(*operands, counts, "gelu"), **TOLERANCES[torch.float32])
 
 
-def test_an_error_in_one_item_is_raised_after_the_others_ran(two_threads):
+def test_an_error_in_one_item_is_raised_after_the_others_ran(two_threads, workers_of):
     done = []
 
     def work(item):
@@ -141,7 +190,7 @@ def _forward_backward(function, operands, counts, activation, seed=1):
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("activation", ACTIVATIONS)
 @pytest.mark.parametrize("bias", [True, False])
-def test_the_concurrent_plan_matches_autograd(two_threads, dtype, activation, bias, monkeypatch):
+def test_the_concurrent_plan_matches_autograd(two_threads, workers_of, dtype, activation, bias, monkeypatch):
     # buffers start as NaN: a row or gradient the plan does not write shows
     monkeypatch.setattr(workspace, "empty", lambda shape, dtype, device="cpu": torch.full(shape, float("nan"), dtype=dtype))
     monkeypatch.setattr(workspace, "empty_like", lambda t: torch.full_like(t, float("nan")))
@@ -157,7 +206,7 @@ def test_the_concurrent_plan_matches_autograd(two_threads, dtype, activation, bi
             assert torch.equal(grad[1], torch.zeros_like(grad[1])) and torch.equal(grad[4], torch.zeros_like(grad[4]))
 
 
-def test_the_concurrent_plan_is_bitwise_repeatable(two_threads):
+def test_the_concurrent_plan_is_bitwise_repeatable(two_threads, workers_of):
     counts = [300, 41, 0, 257, 129, 77, 513, 2]
     operands = _operands(torch.float32, True, counts, M=64, H=96)
 
@@ -182,7 +231,7 @@ def test_the_concurrent_plan_measures_its_products_on_the_workers(two_threads, m
     for backend in gemm.candidates(torch.float32):
         gemm.clear()
         measured_on = set()
-        monkeypatch.setattr(gemm, "_measure", lambda runs: measured_on.add(torch.get_num_threads()) or backend)
+        monkeypatch.setattr(gemm, "_measure", lambda runs: measured_on.add(_single_threaded()) or backend)
 
         def run():
             return _forward_backward(lambda *a: _ConcurrentMLP.apply(*a[:6], (a[6], "none")), operands, counts, "gelu")
@@ -190,7 +239,7 @@ def test_the_concurrent_plan_measures_its_products_on_the_workers(two_threads, m
         got = run()
         kinds = {key.split("|")[0] for key in gemm.choices()}
         assert kinds == {"linear@worker", "linear_tn@worker"} and set(gemm.choices().values()) == {backend}
-        assert measured_on == {1}
+        assert measured_on == {True}
         for a, b in zip(got, want):
             torch.testing.assert_close(a, b, **TOLERANCES[torch.float32])
         for a, b in zip(got, run()):
@@ -266,10 +315,13 @@ def test_the_measured_plan_offers_and_runs_experts_side_by_side(two_threads, mon
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, **TOLERANCES[torch.float32])
 
-    offered.clear(), ran.clear(), gemm.clear()
-    monkeypatch.setattr(grouped_mlp_module, "CONCURRENT_FROM", 1 << 40)  # a small layer: not offered
-    _forward_backward(lambda *a: grouped_mlp(*a[:6], a[6], use_grouped_gemm=None), operands, counts, "silu")
-    assert not ran and all("concurrent" not in runs for runs in offered)
+    # a small layer: offered on the OpenMP team, not on the pool (whose spinning neighbours cost more)
+    monkeypatch.setattr(grouped_mlp_module, "CONCURRENT_FROM", 1 << 40)
+    for team in (True, False):
+        offered.clear(), ran.clear(), gemm.clear()
+        monkeypatch.setattr(threads, "openmp_team", lambda: team)
+        _forward_backward(lambda *a: grouped_mlp(*a[:6], a[6], use_grouped_gemm=None), operands, counts, "silu")
+        assert offered and all(("concurrent" in runs) == team for runs in offered) and bool(ran) == team
 
 
 def test_a_kept_plan_stands_for_every_batch_of_its_class(two_threads, monkeypatch):
