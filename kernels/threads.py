@@ -20,19 +20,22 @@ experts of [~1024, 128] x [128, 256], forward and backward, on a 2-core AMD EPYC
 24.4-25.2 ms on the team against 29.9-32.5 ms on the pool and 27.6-28.5 ms one expert after another
 on two threads (medians of 60 alternating calls in one process).
 
-Workers take the caller's grad mode and inference mode (both thread-local in torch). Other
-thread-local state does not reach the other workers: torch function and dispatch modes (e.g.
-FlopCounterMode) see only the caller's thread's share of the items.
+Workers take the caller's grad mode and inference mode (both thread-local in torch) and run with
+autocast off, whichever thread they are. Other thread-local state does not reach the other workers:
+torch function and dispatch modes (e.g. FlopCounterMode, optim.memory.LiveBytes), Python's tracing
+and profiling hooks see only the share of the items that ran on the caller's thread. An OpenMP
+team's threads have the stack size OMP_STACKSIZE gives them.
 
 A pool is made per process and worker count on first use (a forked child makes its own: the
-parent's threads do not exist there); a forked child never uses the parent's OpenMP team either.
+parent's threads do not exist there). A process forked from one that imported this module never
+uses the OpenMP team: GNU OpenMP does not survive a fork once its threads have run (nor do torch's
+own multithreaded operations in such a child).
 """
 
 import ctypes
 import functools
 import itertools
 import os
-import re
 import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -43,13 +46,14 @@ __all__ = ["caller_threads", "on_worker", "openmp_team", "run_each", "workers"]
 
 _pools: dict[tuple[int, int], ThreadPoolExecutor] = {}  # (process id, workers) -> pool, never shut down
 _pools_lock = threading.Lock()
-_local = threading.local()  # on a pool's threads: caller_threads, the intra-op count of the code using the pool
+_local = threading.local()  # on a worker while it runs items: caller_threads, the intra-op count of its caller
 _DONE = object()
+_PROCESS = os.getpid()  # the process that imported this module: its forked children use the pool
 
 
 def workers() -> int:
-    """How many workers `run_each` uses: torch's intra-op thread count."""
-    return torch.get_num_threads()
+    """How many workers `run_each` uses: torch's intra-op thread count; 1 on a worker (items run there)."""
+    return 1 if on_worker() else torch.get_num_threads()
 
 
 def on_worker() -> bool:
@@ -98,16 +102,17 @@ def _start_single_threaded(pool: ThreadPoolExecutor, count: int) -> None:
 def run_each(work, items) -> None:
     """Call work(item) for every item of `items`, started in that order, on single-threaded workers.
 
-    With one intra-op thread, or one item, the items run in the calling thread; so do they inside an
-    OpenMP parallel region (a worker calling run_each), where the team of a nested region has one thread.
+    With one intra-op thread, or one item, or on a worker (a work item calling run_each), the items run
+    in the calling thread, one after another; so do they where OpenMP gives a team of one thread
+    (OMP_DYNAMIC on a loaded machine, OMP_THREAD_LIMIT=1), with the caller's threads.
 
     Args:
         work: a function of one item; it must write only what belongs to its item.
         items: the items, the costliest first for the best balance.
 
     Raises:
-        Whatever a call of `work` raised (the first worker's error when several failed), after every
-        worker has stopped.
+        Whatever a call of `work` raised (one of the errors when several calls failed), after every
+        worker has stopped; a KeyboardInterrupt or other BaseException stops every worker at its next item.
     """
     items = list(items)
     count = min(workers(), len(items))
@@ -120,7 +125,7 @@ def run_each(work, items) -> None:
         key = next(_job_keys)
         _jobs[key] = job
         try:
-            _openmp_parallel()(_TEAM_MEMBER, key, count, 0)  # returns when every member has
+            _openmp_runtime().GOMP_parallel(_TEAM_MEMBER, key, count, 0)  # returns when every member has
         finally:
             del _jobs[key]
         errors = job.errors
@@ -134,20 +139,27 @@ def run_each(work, items) -> None:
 class _Job:
     """The items of one run_each call, taken in order by each worker that drains it."""
 
-    def __init__(self, work, items: list, caller_threads: int):
-        self.work, self.order, self.lock, self.errors = work, iter(items), threading.Lock(), []
-        self.caller_threads = caller_threads
+    def __init__(self, work, items: list, threads: int):
+        self.work, self.order, self.lock, self.errors, self.stopped = work, iter(items), threading.Lock(), [], False
+        self.caller_threads = threads
         self.grad_enabled, self.inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()
 
     def drain(self) -> None:
-        """Run items until none is left; an error stops this worker (the others go on) and is raised."""
-        with torch.inference_mode(self.inference), torch.set_grad_enabled(self.grad_enabled):
-            while True:
+        """Run items until none is left; an Exception stops this worker, another BaseException all of them."""
+        with (torch.inference_mode(self.inference), torch.set_grad_enabled(self.grad_enabled),
+              torch.autocast("cpu", enabled=False)):
+            while not self.stopped:
                 with self.lock:
                     item = next(self.order, _DONE)
                 if item is _DONE:
                     return
-                self.work(item)
+                try:
+                    self.work(item)
+                except Exception:
+                    raise
+                except BaseException:  # KeyboardInterrupt, SystemExit: the other workers stop too
+                    self.stopped = True
+                    raise
 
 
 # --- torch's OpenMP team as the workers ---------------------------------------------------------
@@ -157,20 +169,19 @@ _job_keys = itertools.count(1)
 
 
 def _member(key: int) -> None:
-    """One member of the OpenMP team drains the job; the caller's thread is member 0. An error is kept
-    for run_each to raise (none may leave a C callback)."""
-    job = _jobs[key]
-    before = getattr(_local, "caller_threads", None)
-    _local.caller_threads = job.caller_threads
+    """One member of the OpenMP team drains the job (the caller's thread is member 0); errors are kept."""
+    job = _jobs[key]  # errors go to run_each, which raises them: none may leave a C callback
+    # a team of one (OMP_DYNAMIC, OMP_THREAD_LIMIT) is no parallel region: the caller runs the items with its threads
+    worker = bool(_openmp_runtime().omp_in_parallel())
+    if worker:
+        _local.caller_threads = job.caller_threads  # not set before: run_each runs inline on a worker
     try:
         job.drain()
-    except BaseException as error:  # noqa: BLE001 (raised by run_each once the region is over)
+    except BaseException as error:  # noqa: BLE001
         job.errors.append(error)
     finally:
-        if before is None:
+        if worker:
             del _local.caller_threads
-        else:
-            _local.caller_threads = before
 
 
 _MEMBER_FUNCTION = ctypes.CFUNCTYPE(None, ctypes.c_size_t)
@@ -178,40 +189,22 @@ _TEAM_MEMBER = _MEMBER_FUNCTION(_member)  # kept alive for the process's life
 
 
 @functools.cache
-def _openmp_runtime() -> tuple[int, ctypes.CDLL] | None:
-    """(process id, the OpenMP runtime torch's intra-op threads run on) where that runtime is loaded
-    from a file this process can name (Linux) and has GNU OpenMP's entry points; None elsewhere.
-
-    The file is found among the process's mapped libraries: the one in torch's own library folder
-    where there is one (the wheels ship GNU OpenMP there), else the only OpenMP runtime loaded.
-    """
+def _openmp_runtime() -> ctypes.CDLL | None:
+    """torch's CPU library where its intra-op threads are GNU OpenMP's (or a runtime with its entry
+    points) on Linux, None elsewhere; GOMP_parallel and omp_in_parallel looked up through it resolve to
+    the runtime torch itself calls (its dependency), whatever other OpenMP runtimes the process loaded."""
     if not sys.platform.startswith("linux") or "parallel backend: OpenMP" not in torch.__config__.parallel_info():
         return None
-    try:
-        with open("/proc/self/maps") as maps:
-            paths = set(re.findall(r"(/\S*/lib[gi]?omp[^/\s]*\.so[^/\s]*)$", maps.read(), re.MULTILINE))
-    except OSError:
-        return None
-    torch_lib = os.path.join(os.path.dirname(torch.__file__), "lib") + os.sep
-    own = [path for path in paths if path.startswith(torch_lib)]
-    chosen = own if own else sorted(paths)
-    if len(chosen) != 1:
-        return None
-    try:
-        runtime = ctypes.CDLL(chosen[0])  # the loaded library itself: dlopen of its path adds a reference
-        runtime.GOMP_parallel.argtypes = [_MEMBER_FUNCTION, ctypes.c_size_t, ctypes.c_uint, ctypes.c_uint]
-        runtime.GOMP_parallel.restype = None
+    try:  # torch has loaded it: opening the same file again gives the loaded library
+        library = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so"))
+        parallel, in_parallel = library.GOMP_parallel, library.omp_in_parallel
     except (OSError, AttributeError):
         return None
-    return os.getpid(), runtime
-
-
-def _openmp_parallel():
-    """GOMP_parallel(function, data, threads, flags): runs function(data) on a team of that many threads."""
-    return _openmp_runtime()[1].GOMP_parallel
+    parallel.argtypes, parallel.restype = [_MEMBER_FUNCTION, ctypes.c_size_t, ctypes.c_uint, ctypes.c_uint], None
+    in_parallel.argtypes, in_parallel.restype = [], ctypes.c_int
+    return library
 
 
 def openmp_team() -> bool:
     """Whether `run_each` runs its items on torch's OpenMP team in this process (else on a pool of threads)."""
-    runtime = _openmp_runtime()
-    return runtime is not None and runtime[0] == os.getpid()
+    return os.getpid() == _PROCESS and _openmp_runtime() is not None

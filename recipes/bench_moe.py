@@ -87,9 +87,10 @@ def peak_memory(step, device) -> int:
     Resident-memory growth cannot be used on the CPU: once the workspace has tuned glibc to keep freed
     chunks (kernels.workspace), a step served from memory an earlier step freed grows nothing.
     Workspace storages the step takes count as live from then on, as they stay held between steps.
-    Allocations on the concurrent plan's worker threads are not seen (dispatch modes are
-    thread-local): the workers write into buffers made on the calling thread, but a oneDNN product
-    there makes its own output before copying it in (one expert's rows per worker at a time).
+    Allocations on the concurrent plan's workers other than the calling thread are not seen (dispatch
+    modes are thread-local; the calling thread is a worker too where the workers are torch's OpenMP
+    team): the workers write into buffers made on the calling thread, but a oneDNN product there makes
+    its own output before copying it in (one expert's rows per worker at a time).
     """
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()

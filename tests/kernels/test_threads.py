@@ -7,6 +7,7 @@ differs), fp32 at 1e-5; two runs of the plan give bitwise equal results, on eith
 """
 
 import json
+import sys
 import threading
 import time
 
@@ -55,7 +56,7 @@ def _single_threaded() -> bool:
     if torch.get_num_threads() == 1:
         return True
     runtime = threads._openmp_runtime()
-    return runtime is not None and bool(runtime[1].omp_in_parallel())
+    return runtime is not None and bool(runtime.omp_in_parallel())
 
 
 def test_every_item_runs_once_on_single_threaded_workers_while_the_caller_keeps_its_threads(two_threads, workers_of):
@@ -117,18 +118,67 @@ def test_run_each_inside_a_worker_runs_the_inner_items_there(two_threads, worker
     assert not threads.on_worker()
 
 
-def test_workers_follow_the_callers_grad_and_inference_modes(two_threads, workers_of):
-    modes = []
+def test_workers_follow_the_callers_grad_and_inference_modes_with_autocast_off(two_threads, workers_of):
+    modes, idents = [], set()
 
     def work(item):
-        modes.append((torch.is_grad_enabled(), torch.is_inference_mode_enabled()))
+        time.sleep(0.005)  # every worker takes items, the caller's thread and the others alike
+        idents.add(threading.get_ident())
+        modes.append((torch.is_grad_enabled(), torch.is_inference_mode_enabled(), torch.is_autocast_enabled("cpu")))
 
     with torch.no_grad():
         threads.run_each(work, range(4))
     threads.run_each(work, range(4))
     with torch.inference_mode():
         threads.run_each(work, range(4))
-    assert modes == [(False, False)] * 4 + [(True, False)] * 4 + [(False, True)] * 4
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # off on every worker, whichever thread it is
+        threads.run_each(work, range(4))
+    assert modes == [(False, False, False)] * 4 + [(True, False, False)] * 4 + [(False, True, False)] * 4 + \
+        [(True, False, False)] * 4
+    assert len(idents) >= 2
+
+
+def test_torchs_openmp_team_is_found_where_torch_runs_on_gnu_openmp_on_linux():
+    """The team is not silently lost: on Linux with torch's OpenMP backend (the CPU wheels) it is found."""
+    if not sys.platform.startswith("linux") or "parallel backend: OpenMP" not in torch.__config__.parallel_info():
+        pytest.skip("the OpenMP team is used on Linux builds of torch with the OpenMP backend only")
+    assert threads.openmp_team()
+
+
+def test_a_team_of_one_runs_the_items_in_the_caller_with_its_threads(two_threads, monkeypatch):
+    """Where OpenMP gives one thread (OMP_DYNAMIC on a loaded machine, OMP_THREAD_LIMIT=1), the region is
+    not parallel: the items run as in the caller, not as single-threaded workers measuring their own classes."""
+    if not threads.openmp_team():
+        pytest.skip("torch's intra-op threads are not an OpenMP team this process can call")
+    runtime = threads._openmp_runtime()
+
+    class OneThread:
+        omp_in_parallel = runtime.omp_in_parallel
+
+        @staticmethod
+        def GOMP_parallel(function, key, count, flags):
+            runtime.GOMP_parallel(function, key, 1, flags)
+
+    monkeypatch.setattr(threads, "_openmp_runtime", lambda: OneThread)
+    seen = []
+    threads.run_each(lambda item: seen.append((item, threads.on_worker(), _single_threaded(), threading.get_ident())),
+                     range(5))
+    assert [item for item, *_ in seen] == list(range(5))
+    assert {(on, alone, ident) for _, on, alone, ident in seen} == {(False, False, threading.get_ident())}
+
+
+def test_an_interrupt_in_one_item_stops_every_worker(two_threads, workers_of):
+    done = []
+
+    def work(item):
+        time.sleep(0.005)
+        if item == 1:
+            raise KeyboardInterrupt
+        done.append(item)
+
+    with pytest.raises(KeyboardInterrupt):
+        threads.run_each(work, range(40))
+    assert len(done) < 10  # the other worker stopped at its next item, not after the other 38
 
 
 def test_the_concurrent_plan_runs_under_inference_mode(two_threads):
@@ -317,7 +367,7 @@ def test_the_measured_plan_offers_and_runs_experts_side_by_side(two_threads, mon
 
     # a small layer: offered on the OpenMP team, not on the pool (whose spinning neighbours cost more)
     monkeypatch.setattr(grouped_mlp_module, "CONCURRENT_FROM", 1 << 40)
-    for team in (True, False):
+    for team in (True, False) if threads.openmp_team() else (False,):  # (no team to run on elsewhere)
         offered.clear(), ran.clear(), gemm.clear()
         monkeypatch.setattr(threads, "openmp_team", lambda: team)
         _forward_backward(lambda *a: grouped_mlp(*a[:6], a[6], use_grouped_gemm=None), operands, counts, "silu")
