@@ -141,7 +141,7 @@ class _Job:
 
     def __init__(self, work, items: list, threads: int):
         self.work, self.order, self.lock, self.errors, self.stopped = work, iter(items), threading.Lock(), [], False
-        self.caller_threads = threads
+        self.caller_threads, self.caller = threads, threading.get_ident()
         self.grad_enabled, self.inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()
 
     def drain(self) -> None:
@@ -173,6 +173,8 @@ def _member(key: int) -> None:
     job = _jobs[key]  # errors go to run_each, which raises them: none may leave a C callback
     # a team of one (OMP_DYNAMIC, OMP_THREAD_LIMIT) is no parallel region: the caller runs the items with its threads
     worker = bool(_openmp_runtime().omp_in_parallel())
+    if threading.get_ident() != job.caller and threading.get_ident() not in _kept_states:
+        _keep_thread_state()
     if worker:
         _local.caller_threads = job.caller_threads  # not set before: run_each runs inline on a worker
     try:
@@ -182,6 +184,21 @@ def _member(key: int) -> None:
     finally:
         if worker:
             del _local.caller_threads
+
+
+_kept_states: set[int] = set()  # the threads whose Python thread state outlives each callback
+
+
+def _keep_thread_state() -> None:
+    """Keep the calling team member's Python thread state from one callback to the next.
+
+    ctypes runs a callback on a thread Python did not start under a thread state made for that call
+    and deleted after it (PyGILState_Ensure, then Release): a member would make and delete one per
+    run_each call, and start its items that much later. One more Ensure, never released, keeps it
+    (one per OpenMP thread, for the process's life).
+    """
+    ctypes.pythonapi.PyGILState_Ensure()
+    _kept_states.add(threading.get_ident())
 
 
 _MEMBER_FUNCTION = ctypes.CFUNCTYPE(None, ctypes.c_size_t)

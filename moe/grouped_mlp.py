@@ -182,19 +182,24 @@ def _whole_hidden_gradient(ctx, b: SimpleNamespace, w2_t) -> tuple | None:
     return grad_h_e
 
 
-def _expert_gradients(b: SimpleNamespace, e: int, w1_t, grad_h: torch.Tensor | None) -> None:
-    """Expert e's input, weight and bias gradients that autograd asked for, from its hidden gradient
-    grad_h (None when none of them needs it)."""
+# an expert's backward in two independent parts: "h", what needs its hidden gradient (the input's
+# gradient, W1's and b1's), and "w2", W2's and b2's gradients, which need only grad_y and the activation
+_ALL_PARTS = ("h", "w2")
+
+
+def _expert_gradients(b: SimpleNamespace, e: int, w1_t, grad_h: torch.Tensor | None, parts: tuple = _ALL_PARTS) -> None:
+    """Expert e's input, weight and bias gradients that autograd asked for, of the given parts, from
+    its hidden gradient grad_h (None when none of them needs it)."""
     grad_y = b.grad_y_e[e]
-    if b.grad_x_NM is not None:
+    if "h" in parts and b.grad_x_NM is not None:
         b.product_x(grad_h, w1_t[e], None, b.grad_x_e[e])
-    if b.grad_w2 is not None:
+    if "w2" in parts and b.grad_w2 is not None:
         b.product_w2(grad_y, b.a_e[e], b.grad_w2_e[e])
-    if b.grad_w1 is not None:
+    if "h" in parts and b.grad_w1 is not None:
         b.product_w1(grad_h, b.x_e[e], b.grad_w1_e[e])
-    if b.grad_b2 is not None:
+    if "w2" in parts and b.grad_b2 is not None:
         torch.sum(grad_y, 0, out=b.grad_b2_e[e])
-    if b.grad_b1 is not None:
+    if "h" in parts and b.grad_b1 is not None:
         torch.sum(grad_h, 0, out=b.grad_b1_e[e])
 
 
@@ -220,12 +225,12 @@ def _expert_backward(ctx, b: SimpleNamespace, slots: int):
         for _ in range(min(slots, len(experts))):
             buffers.put(workspace.empty((max(ctx.counts), b.a_NH.shape[1]), b.a_NH.dtype, b.a_NH.device))
 
-    def expert(e: int) -> None:
-        if not b.needs_h or grad_h_e is not None:
-            _expert_gradients(b, e, w1_t, None if grad_h_e is None else grad_h_e[e])
+    def expert(e: int, parts: tuple = _ALL_PARTS) -> None:
+        if not b.needs_h or grad_h_e is not None or "h" not in parts:
+            _expert_gradients(b, e, w1_t, None if grad_h_e is None else grad_h_e[e], parts)
             return
         buffer = buffers.get()
-        _expert_gradients(b, e, w1_t, _hidden_gradient(b, ctx.activation, e, w2_t, buffer[:ctx.counts[e]]))
+        _expert_gradients(b, e, w1_t, _hidden_gradient(b, ctx.activation, e, w2_t, buffer[:ctx.counts[e]]), parts)
         buffers.put(buffer)
 
     return expert
@@ -268,9 +273,15 @@ class _PerExpertMLP(torch.autograd.Function):
 class _ConcurrentMLP(torch.autograd.Function):
     """The per-expert MLP with experts run side by side on single-threaded CPU workers (kernels.threads).
 
-    Each expert's products, activation and bias sums are one work item; the largest experts start first.
+    Forward, an expert's rows are one work item (products and activation), the largest experts first;
+    the `workers` smallest experts are cut into two halves of rows, the last items. Backward, an
+    expert's gradients are two items: what needs its hidden gradient (three products, the activation's
+    backward, b1's sum) and W2's and b2's gradients (one product and a sum); every expert's first item
+    comes before any second one. So the workers end on short items and wait less for each other: in
+    the GPT recipe's layer (8 experts of ~1024 rows) the time lost per call to the workers' uneven
+    ends fell from 0.35-0.93 to 0.15-0.26 ms (2-core AMD EPYC with AVX-512).
     Each product takes the backend measured for its shape class on one thread, the same on every
-    worker, so which worker runs an expert does not change its result (a lone expert runs in the
+    worker, so which worker runs an item does not change its result (a lone item runs in the
     caller, with the caller's threads and shape classes).
     """
 
@@ -281,21 +292,43 @@ class _ConcurrentMLP(torch.autograd.Function):
         w1, w2, b1, b2 = (_per_expert(p, weight1.shape[0]) for p in (weight1, weight2, bias1, bias2))
         x_e, h_e, a_e, y_e = (t.split_with_sizes(counts) for t in (x_NM, h_NH, a_NH, y_NM))
 
-        def expert(e):
-            gemm.linear(x_e[e], w1[e], b1[e], h_e[e])
-            _activate(name, approximate, h_e[e], a_e[e])
-            gemm.linear(a_e[e], w2[e], b2[e], y_e[e])
+        def rows(item):
+            e, start, length = item
+            x, h, a, y = (t[e] if length == counts[e] else t[e].narrow(0, start, length) for t in (x_e, h_e, a_e, y_e))
+            gemm.linear(x, w1[e], b1[e], h)
+            _activate(name, approximate, h, a)
+            gemm.linear(a, w2[e], b2[e], y)
 
-        threads.run_each(expert, _largest_first(counts))
+        threads.run_each(rows, _forward_items(counts, threads.workers()))
         _save(ctx, x_NM, weight1, weight2, h_NH, a_NH, counts, activation)
         return y_NM
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_y_NM):
+        # each expert's two parts are items of their own: first every expert's hidden-gradient part
+        # (three products), then the W2 parts (one product each), so the workers finish on short items
         b = _backward_buffers(ctx, grad_y_NM)
-        threads.run_each(_expert_backward(ctx, b, threads.workers()), _largest_first(ctx.counts))
+        expert = _expert_backward(ctx, b, threads.workers())
+        order = _largest_first(ctx.counts)
+        if len(order) == 1:  # a lone expert: one item, run in the caller with its threads
+            items = [(order[0], _ALL_PARTS)]
+        else:
+            items = [(e, ("h",)) for e in order] if b.needs_h else []
+            items += [(e, ("w2",)) for e in order] if b.grad_w2 is not None or b.grad_b2 is not None else []
+        threads.run_each(lambda item: expert(*item), items)
         return _gradients(b)
+
+
+def _forward_items(counts: list[int], workers: int) -> list[tuple[int, int, int]]:
+    """The forward's work items (expert, first row, rows): whole experts, the most rows first, but for
+    the `workers` smallest, each cut in two halves that end the order: rows are independent in the
+    forward, and workers that finish on half an expert wait less for each other."""
+    order = _largest_first(counts)
+    cut = order[len(order) - workers:] if len(order) > workers else []
+    items = [(e, 0, counts[e]) for e in order if e not in cut]
+    halves = [(e, 0, counts[e] - counts[e] // 2) for e in cut] + [(e, counts[e] - counts[e] // 2, counts[e] // 2) for e in cut]
+    return items + sorted((h for h in halves if h[2]), key=lambda h: -h[2])
 
 
 def _largest_first(counts: list[int]) -> list[int]:

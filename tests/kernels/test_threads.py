@@ -269,6 +269,61 @@ def test_the_concurrent_plan_is_bitwise_repeatable(two_threads, workers_of):
             assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("counts, workers", [([300, 41, 0, 257, 129, 77, 513, 2], 2), ([5, 0, 9], 2), ([0, 7, 0], 2),
+                                             ([4, 1, 6, 3], 3), ([3, 8], 2), ([], 2)])
+def test_the_forward_items_cover_every_row_once_the_smallest_experts_cut_in_halves_last(counts, workers):
+    items = grouped_mlp_module._forward_items(counts, workers)
+    rows = {e: [] for e in range(len(counts))}
+    for e, start, length in items:
+        assert length > 0
+        rows[e].extend(range(start, start + length))
+    assert all(sorted(rows[e]) == list(range(count)) for e, count in enumerate(counts))
+    nonempty = [e for e, count in enumerate(counts) if count]
+    cut = sorted(nonempty, key=lambda e: (counts[e], -e))[:workers] if len(nonempty) > workers else []
+    whole = [item for item in items if item[0] not in cut]
+    assert whole == [(e, 0, counts[e]) for e in sorted(set(nonempty) - set(cut), key=lambda e: -counts[e])]
+    assert items[:len(whole)] == whole  # the halves come last, the largest first
+    halves = items[len(whole):]
+    assert [length for *_, length in halves] == sorted((length for *_, length in halves), reverse=True)
+    assert all(max(n for f, _, n in halves if f == e) - min(n for f, _, n in halves if f == e) <= 1 for e in cut
+               if counts[e] > 1)
+
+
+def test_the_concurrent_backward_runs_two_items_per_expert_on_the_team(two_threads, workers_of, monkeypatch):
+    """Every expert's hidden-gradient part first, the largest first, then every W2 part; a lone expert is one item."""
+    seen = []
+    run_each = threads.run_each
+    monkeypatch.setattr(threads, "run_each", lambda work, items: seen.append(list(items)) or run_each(work, seen[-1]))
+    for counts, want in (([9, 0, 17, 3], [(2, ("h",)), (0, ("h",)), (3, ("h",)), (2, ("w2",)), (0, ("w2",)),
+                                          (3, ("w2",))]),
+                         ([0, 12, 0], [(1, ("h", "w2"))])):
+        seen.clear()
+        operands = _operands(torch.float32, True, counts)
+        got = _forward_backward(lambda *a: _ConcurrentMLP.apply(*a[:6], (a[6], "none")), operands, counts, "gelu")
+        assert seen[-1] == want
+        for a, b in zip(got, _forward_backward(_reference, operands, counts, "gelu")):
+            torch.testing.assert_close(a, b, **TOLERANCES[torch.float32])
+
+
+def test_a_team_member_keeps_its_python_thread_state_between_calls(two_threads):
+    """ctypes gives a callback on a thread Python did not start a thread state for that call only; the team's
+    other members keep theirs, so their thread-local data outlives a run_each call."""
+    if not threads.openmp_team():
+        pytest.skip("torch's intra-op threads are not an OpenMP team this process can call")
+    local, seen = threading.local(), []
+
+    def work(item):
+        time.sleep(0.01)  # both members take an item
+        seen.append((threading.get_ident(), getattr(local, "mark", None)))
+        local.mark = threading.get_ident()
+
+    threads.run_each(work, range(2))
+    seen.clear()
+    threads.run_each(work, range(2))
+    assert len({ident for ident, _ in seen}) == 2
+    assert all(mark == ident for ident, mark in seen)
+
+
 def test_the_concurrent_plan_measures_its_products_on_the_workers(two_threads, monkeypatch):
     """Measured products (here every size, each backend forced in turn) take worker shape classes of
     their own, match autograd and repeat bit for bit."""

@@ -112,7 +112,10 @@ def test_gradients_not_asked_for_cost_no_products_or_sums(plan, case, monkeypatc
         counting(torch, "sum", "sum")
         times = sum(1 for count in COUNTS if count)
     _gradients(_plan(plan), _operands(NEEDS[case]))
-    assert tuple(issued.count(label) for label in ("product", "weight", "sum")) == tuple(times * n for n in WORK[case])
+    want = [times * n for n in WORK[case]]
+    if plan == "concurrent":  # its forward cuts the smallest experts in halves of rows: 2 products per item
+        want[0] += 2 * (len(grouped_mlp_module._forward_items(COUNTS, threads.workers())) - times)
+    assert [issued.count(label) for label in ("product", "weight", "sum")] == want
 
 
 def test_the_layer_plan_is_measured_for_the_gradients_asked_for(monkeypatch):
