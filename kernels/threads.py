@@ -125,7 +125,9 @@ def run_each(work, items) -> None:
         key = next(_job_keys)
         _jobs[key] = job
         try:
-            _openmp_runtime().GOMP_parallel(_TEAM_MEMBER, key, count, 0)  # returns when every member has
+            # the whole team, whatever the items: a smaller one would make OpenMP end the threads left out
+            # (and start them again later), each with the Python thread state it keeps (_keep_thread_state)
+            _openmp_runtime().GOMP_parallel(_TEAM_MEMBER, key, workers(), 0)  # returns when every member has
         finally:
             del _jobs[key]
         errors = job.errors
@@ -173,20 +175,20 @@ def _member(key: int) -> None:
     job = _jobs[key]  # errors go to run_each, which raises them: none may leave a C callback
     # a team of one (OMP_DYNAMIC, OMP_THREAD_LIMIT) is no parallel region: the caller runs the items with its threads
     worker = bool(_openmp_runtime().omp_in_parallel())
-    if threading.get_ident() != job.caller and threading.get_ident() not in _kept_states:
-        _keep_thread_state()
-    if worker:
-        _local.caller_threads = job.caller_threads  # not set before: run_each runs inline on a worker
     try:
+        if threading.get_ident() != job.caller and not getattr(_kept, "state", False):
+            _keep_thread_state()
+        if worker:
+            _local.caller_threads = job.caller_threads  # not set before: run_each runs inline on a worker
         job.drain()
     except BaseException as error:  # noqa: BLE001
         job.errors.append(error)
     finally:
-        if worker:
+        if worker and hasattr(_local, "caller_threads"):
             del _local.caller_threads
 
 
-_kept_states: set[int] = set()  # the threads whose Python thread state outlives each callback
+_kept = threading.local()  # `state` set on a team member whose Python thread state outlives each callback
 
 
 def _keep_thread_state() -> None:
@@ -195,10 +197,12 @@ def _keep_thread_state() -> None:
     ctypes runs a callback on a thread Python did not start under a thread state made for that call
     and deleted after it (PyGILState_Ensure, then Release): a member would make and delete one per
     run_each call, and start its items that much later. One more Ensure, never released, keeps it
-    (one per OpenMP thread, for the process's life).
+    for the thread's life (the team is always started whole, so OpenMP keeps its threads; a thread
+    that ends anyway, when torch.set_num_threads lowers the count, leaves its state behind: a few KB).
+    A thread-local mark, not the thread's id, records it: a new thread may get an ended one's id.
     """
     ctypes.pythonapi.PyGILState_Ensure()
-    _kept_states.add(threading.get_ident())
+    _kept.state = True
 
 
 _MEMBER_FUNCTION = ctypes.CFUNCTYPE(None, ctypes.c_size_t)

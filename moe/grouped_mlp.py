@@ -204,11 +204,13 @@ def _expert_gradients(b: SimpleNamespace, e: int, w1_t, grad_h: torch.Tensor | N
 
 
 def _expert_backward(ctx, b: SimpleNamespace, slots: int):
-    """The backward's work for one expert e, as a function of e, for up to `slots` experts at once.
+    """The backward's work for one expert e, as a function of (e, parts) (parts: of _ALL_PARTS, all of
+    them by default), for up to `slots` experts at once.
 
     With one slot and a hidden gradient of all rows within WHOLE_HIDDEN_BYTES, that gradient is made
-    here first, for every expert (`_whole_hidden_gradient`). Otherwise each running expert takes one of
-    `slots` hidden-gradient buffers of the largest expert's rows and gives it back when done. The
+    here first, for every expert (`_whole_hidden_gradient`). Otherwise each running expert's "h" part
+    takes one of `slots` hidden-gradient buffers of the largest expert's rows and gives it back when
+    done (a "w2" part needs none). The
     buffers are made here, on the calling thread, so that allocation trackers (which see only that
     thread) see them, and never [N, H] at once.
     """
@@ -274,7 +276,8 @@ class _ConcurrentMLP(torch.autograd.Function):
     """The per-expert MLP with experts run side by side on single-threaded CPU workers (kernels.threads).
 
     Forward, an expert's rows are one work item (products and activation), the largest experts first;
-    the `workers` smallest experts are cut into two halves of rows, the last items. Backward, an
+    where more experts have rows than there are workers, the `workers` smallest are cut into two
+    halves of rows, the last items. Backward, an
     expert's gradients are two items: what needs its hidden gradient (three products, the activation's
     backward, b1's sum) and W2's and b2's gradients (one product and a sum); every expert's first item
     comes before any second one. So the workers end on short items and wait less for each other: in
@@ -321,11 +324,12 @@ class _ConcurrentMLP(torch.autograd.Function):
 
 
 def _forward_items(counts: list[int], workers: int) -> list[tuple[int, int, int]]:
-    """The forward's work items (expert, first row, rows): whole experts, the most rows first, but for
-    the `workers` smallest, each cut in two halves that end the order: rows are independent in the
-    forward, and workers that finish on half an expert wait less for each other."""
+    """The forward's work items (expert, first row, rows): whole experts, the most rows first; where
+    more experts have rows than there are workers (two or more), the `workers` smallest are each cut
+    in two halves that end the order: rows are independent in the forward, and workers that finish on
+    half an expert wait less for each other."""
     order = _largest_first(counts)
-    cut = order[len(order) - workers:] if len(order) > workers else []
+    cut = order[len(order) - workers:] if 1 < workers < len(order) else []
     items = [(e, 0, counts[e]) for e in order if e not in cut]
     halves = [(e, 0, counts[e] - counts[e] // 2) for e in cut] + [(e, counts[e] - counts[e] // 2, counts[e] // 2) for e in cut]
     return items + sorted((h for h in halves if h[2]), key=lambda h: -h[2])

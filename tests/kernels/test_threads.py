@@ -270,7 +270,7 @@ def test_the_concurrent_plan_is_bitwise_repeatable(two_threads, workers_of):
 
 
 @pytest.mark.parametrize("counts, workers", [([300, 41, 0, 257, 129, 77, 513, 2], 2), ([5, 0, 9], 2), ([0, 7, 0], 2),
-                                             ([4, 1, 6, 3], 3), ([3, 8], 2), ([], 2)])
+                                             ([4, 1, 6, 3], 3), ([3, 8], 2), ([], 2), ([5, 9, 2], 1)])
 def test_the_forward_items_cover_every_row_once_the_smallest_experts_cut_in_halves_last(counts, workers):
     items = grouped_mlp_module._forward_items(counts, workers)
     rows = {e: [] for e in range(len(counts))}
@@ -279,7 +279,7 @@ def test_the_forward_items_cover_every_row_once_the_smallest_experts_cut_in_halv
         rows[e].extend(range(start, start + length))
     assert all(sorted(rows[e]) == list(range(count)) for e, count in enumerate(counts))
     nonempty = [e for e, count in enumerate(counts) if count]
-    cut = sorted(nonempty, key=lambda e: (counts[e], -e))[:workers] if len(nonempty) > workers else []
+    cut = sorted(nonempty, key=lambda e: (counts[e], -e))[:workers] if 1 < workers < len(nonempty) else []
     whole = [item for item in items if item[0] not in cut]
     assert whole == [(e, 0, counts[e]) for e in sorted(set(nonempty) - set(cut), key=lambda e: -counts[e])]
     assert items[:len(whole)] == whole  # the halves come last, the largest first
@@ -289,7 +289,7 @@ def test_the_forward_items_cover_every_row_once_the_smallest_experts_cut_in_halv
                if counts[e] > 1)
 
 
-def test_the_concurrent_backward_runs_two_items_per_expert_on_the_team(two_threads, workers_of, monkeypatch):
+def test_the_concurrent_backward_runs_two_items_per_expert(two_threads, workers_of, monkeypatch):
     """Every expert's hidden-gradient part first, the largest first, then every W2 part; a lone expert is one item."""
     seen = []
     run_each = threads.run_each
@@ -311,9 +311,10 @@ def test_a_team_member_keeps_its_python_thread_state_between_calls(two_threads):
     if not threads.openmp_team():
         pytest.skip("torch's intra-op threads are not an OpenMP team this process can call")
     local, seen = threading.local(), []
+    both = threading.Barrier(2, timeout=30)  # each member takes one of the two items
 
     def work(item):
-        time.sleep(0.01)  # both members take an item
+        both.wait()
         seen.append((threading.get_ident(), getattr(local, "mark", None)))
         local.mark = threading.get_ident()
 
