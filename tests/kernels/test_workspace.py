@@ -1,5 +1,11 @@
-"""The CPU workspace never hands out memory that a live tensor still uses."""
+"""The CPU workspace never hands out memory that a live tensor still uses; the allocator it tunes."""
 
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
 import torch
 
 from kernels import workspace
@@ -51,3 +57,65 @@ def test_the_allocator_reuses_small_requests_and_not_the_largest():
     request is page-faulted in, so ops that allocate their own output keep to the smaller sizes."""
     assert workspace.allocator_reuses(1 << 10)
     assert not workspace.allocator_reuses(64 << 20)
+
+
+class _FakeMallctl:
+    """jemalloc's mallctl as far as `_tune_jemalloc` uses it: `arenas.narenas` reads, decays write."""
+
+    def __init__(self, arenas: int, made: int):
+        self.arenas, self.made, self.written = arenas, made, {}
+
+    def __call__(self, name, oldp, oldlenp, newp, newlen):
+        name = name.decode()
+        if name == "arenas.narenas":
+            oldp._obj.value = self.arenas
+            return 0
+        index = name.split(".")[1]
+        if name.startswith("arena.") and int(index) >= self.made:
+            return 14  # EFAULT: an arena index not made yet
+        self.written[name] = newp._obj.value
+        return 0
+
+
+def test_jemalloc_keeps_freed_pages_in_every_arena_made_and_to_come(monkeypatch):
+    """Under a preloaded jemalloc the layer turns its decay off (its default faults freed pages in
+    again every step): the default of new arenas, and each arena made so far."""
+    monkeypatch.delenv("MALLOC_CONF", raising=False)
+    mallctl = _FakeMallctl(arenas=4, made=2)
+    assert workspace._tune_jemalloc(mallctl)
+    assert mallctl.written == {f"{where}.{kind}_decay_ms": -1 for where in ("arenas", "arena.0", "arena.1")
+                               for kind in ("dirty", "muzzy")}
+
+
+def test_jemalloc_is_left_as_malloc_conf_sets_its_decay(monkeypatch):
+    monkeypatch.setenv("MALLOC_CONF", "dirty_decay_ms:5000")
+    mallctl = _FakeMallctl(arenas=4, made=4)
+    assert workspace._tune_jemalloc(mallctl)
+    assert mallctl.written == {}
+
+
+_JEMALLOC = "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2"
+
+
+@pytest.mark.skipif(not os.path.exists(_JEMALLOC), reason=f"jemalloc is not installed ({_JEMALLOC})")
+def test_a_layer_built_under_a_preloaded_jemalloc_turns_its_decay_off():
+    """The real library, preloaded into a fresh process: after a layer is built, the decay of every
+    arena in use reads -1."""
+    script = textwrap.dedent("""
+        import ctypes
+        from torch import nn
+        from moe import MoE
+        MoE(8, nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8)), num_experts=4, k=2)
+        mallctl = ctypes.CDLL(None).mallctl
+        mallctl.argtypes = [ctypes.c_char_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
+        for name in (b"arenas.dirty_decay_ms", b"arenas.muzzy_decay_ms", b"arena.0.dirty_decay_ms", b"arena.0.muzzy_decay_ms"):
+            value, size = ctypes.c_ssize_t(0), ctypes.c_size_t(ctypes.sizeof(ctypes.c_ssize_t))
+            assert mallctl(name, ctypes.byref(value), ctypes.byref(size), None, 0) == 0, name
+            print(name.decode(), value.value)
+    """)
+    env = {key: value for key, value in os.environ.items() if key not in ("MALLOC_CONF", "MOE_CPU_WORKSPACE")}
+    env["LD_PRELOAD"] = _JEMALLOC
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["arenas.dirty_decay_ms", "-1", "arenas.muzzy_decay_ms", "-1",
+                                   "arena.0.dirty_decay_ms", "-1", "arena.0.muzzy_decay_ms", "-1"]
