@@ -15,6 +15,7 @@ MOE_CPU_WORKSPACE=0 to turn all of this off.
 
 import ctypes
 import ctypes.util
+import errno
 import functools
 import math
 import os
@@ -40,54 +41,54 @@ def _enabled() -> bool:
 @functools.cache
 def _tune_malloc() -> bool:
     """Keep the allocator from returning freed memory to the OS between steps: jemalloc's freed pages
-    where jemalloc was preloaded (`_tune_jemalloc`), else glibc's freed chunks of up to 32 MiB.
+    where jemalloc serves malloc (preloaded, `_tune_jemalloc`), else glibc's freed chunks of up to 32 MiB.
 
     The experts' products allocate their outputs inside torch ops, where the pool cannot serve them;
     glibc would otherwise trim those chunks and fault them in again every step. This keeps freed memory
     in the process for reuse, as tcmalloc does by default.
     """
-    # jemalloc's mallctl, where it was preloaded (the process's own symbols: POSIX only)
-    mallctl = getattr(ctypes.CDLL(None), "mallctl", None) if os.name == "posix" else None
-    if mallctl is not None:
-        return _tune_jemalloc(mallctl)
     name = ctypes.util.find_library("c")
     if not name:
         return False
     libc = ctypes.CDLL(name)
+    process = ctypes.CDLL(None) if os.name == "posix" else None  # the symbols the process resolves first
+    mallctl = getattr(process, "mallctl", None)
+    if mallctl is not None and _address(process.malloc) != _address(libc.malloc):
+        return _tune_jemalloc(mallctl)
     if not hasattr(libc, "mallopt"):
         return False
     M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
     return bool(libc.mallopt(M_MMAP_THRESHOLD, 32 << 20)) and bool(libc.mallopt(M_TRIM_THRESHOLD, 1 << 30))
 
 
+def _address(function) -> int:
+    return ctypes.cast(function, ctypes.c_void_p).value
+
+
 def _tune_jemalloc(mallctl) -> bool:
-    """Under jemalloc: keep freed pages in every arena, existing and future, as
-    MALLOC_CONF=dirty_decay_ms:-1,muzzy_decay_ms:-1 does; left alone where MALLOC_CONF sets a decay.
-
-    With its default decay jemalloc hands freed pages back over ten seconds and faults them in again:
-    the GPT recipe's MoE model took 32,000-38,000 page faults and 296-355 ms a step, against 15-18 faults
-    and 210-216 ms with this (2-core AMD EPYC with AVX-512, jemalloc 5.3). Its size classes keep
-    the heap from fragmenting, so the resident set stays flat (0.78 GB), where glibc's grows.
-
-    Args:
-        mallctl: jemalloc's `mallctl(name, oldp, oldlenp, newp, newlen)`, a ctypes function.
-    """
-    if "decay" in os.environ.get("MALLOC_CONF", ""):
-        return True
+    """Turn jemalloc's decay off in every arena, unless MALLOC_CONF names one; whether dirty pages stay."""
+    # Its default decay gives freed pages back over ten seconds and faults them in again: in the GPT
+    # recipe's MoE model 32,000 page faults a step, against 6-15 with the decay off (docs/benchmarks.md,
+    # the twelfth session). Only the environment variable is read, not /etc/malloc.conf.
     mallctl.argtypes = [ctypes.c_char_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
     mallctl.restype = ctypes.c_int
-    arenas, size = ctypes.c_uint(0), ctypes.c_size_t(ctypes.sizeof(ctypes.c_uint))
-    if mallctl(b"arenas.narenas", ctypes.byref(arenas), ctypes.byref(size), None, 0):
-        return False
-    keep = ctypes.c_ssize_t(-1)  # milliseconds; -1: never decay
-    ok = True
-    for kind in ("dirty", "muzzy"):
-        # the default of arenas made from now on, then each arena made so far (an index not yet in
-        # use answers EFAULT: it takes the new default when made)
-        ok &= mallctl(f"arenas.{kind}_decay_ms".encode(), None, None, ctypes.byref(keep), ctypes.sizeof(keep)) == 0
-        for i in range(arenas.value):
-            mallctl(f"arena.{i}.{kind}_decay_ms".encode(), None, None, ctypes.byref(keep), ctypes.sizeof(keep))
-    return ok
+    if "decay" not in os.environ.get("MALLOC_CONF", ""):
+        arenas, size = ctypes.c_uint(0), ctypes.c_size_t(ctypes.sizeof(ctypes.c_uint))  # "unsigned" in jemalloc
+        if mallctl(b"arenas.narenas", ctypes.byref(arenas), ctypes.byref(size), None, 0):
+            return False
+        never = ctypes.c_ssize_t(-1)  # milliseconds ("ssize_t")
+        for kind in ("dirty", "muzzy"):
+            # the default of arenas made from now on, then each arena made so far (an index not made
+            # yet answers EFAULT and takes the new default when it is made)
+            if mallctl(f"arenas.{kind}_decay_ms".encode(), None, None, ctypes.byref(never), ctypes.sizeof(never)):
+                return False
+            for i in range(arenas.value):
+                answer = mallctl(f"arena.{i}.{kind}_decay_ms".encode(), None, None, ctypes.byref(never),
+                                 ctypes.sizeof(never))
+                if answer not in (0, errno.EFAULT):
+                    return False
+    decay, size = ctypes.c_ssize_t(0), ctypes.c_size_t(ctypes.sizeof(ctypes.c_ssize_t))
+    return mallctl(b"arenas.dirty_decay_ms", ctypes.byref(decay), ctypes.byref(size), None, 0) == 0 and decay.value < 0
 
 
 def keep_freed_memory() -> bool:

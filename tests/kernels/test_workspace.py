@@ -1,14 +1,19 @@
 """The CPU workspace never hands out memory that a live tensor still uses; the allocator it tunes."""
 
+import ctypes.util
+import errno
 import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
 
 from kernels import workspace
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _ptr(t):
@@ -60,20 +65,21 @@ def test_the_allocator_reuses_small_requests_and_not_the_largest():
 
 
 class _FakeMallctl:
-    """jemalloc's mallctl as far as `_tune_jemalloc` uses it: `arenas.narenas` reads, decays write."""
+    """jemalloc's mallctl as far as `_tune_jemalloc` uses it: `arenas.narenas` and the decays."""
 
-    def __init__(self, arenas: int, made: int):
-        self.arenas, self.made, self.written = arenas, made, {}
+    def __init__(self, arenas: int, made: int, decay: int = 10000):
+        self.arenas, self.made, self.decay, self.written = arenas, made, decay, {}
 
     def __call__(self, name, oldp, oldlenp, newp, newlen):
         name = name.decode()
-        if name == "arenas.narenas":
+        if name.startswith("arena.") and int(name.split(".")[1]) >= self.made:
+            return errno.EFAULT  # an arena index not made yet
+        if newp is not None:
+            self.written[name] = newp._obj.value
+        elif name == "arenas.narenas":
             oldp._obj.value = self.arenas
-            return 0
-        index = name.split(".")[1]
-        if name.startswith("arena.") and int(index) >= self.made:
-            return 14  # EFAULT: an arena index not made yet
-        self.written[name] = newp._obj.value
+        else:
+            oldp._obj.value = self.written.get(name, self.decay)
         return 0
 
 
@@ -87,17 +93,20 @@ def test_jemalloc_keeps_freed_pages_in_every_arena_made_and_to_come(monkeypatch)
                                for kind in ("dirty", "muzzy")}
 
 
-def test_jemalloc_is_left_as_malloc_conf_sets_its_decay(monkeypatch):
-    monkeypatch.setenv("MALLOC_CONF", "dirty_decay_ms:5000")
-    mallctl = _FakeMallctl(arenas=4, made=4)
-    assert workspace._tune_jemalloc(mallctl)
+@pytest.mark.parametrize("conf, decay, kept", [("dirty_decay_ms:5000", 5000, False), ("dirty_decay_ms:-1", -1, True)])
+def test_jemalloc_is_left_as_malloc_conf_sets_its_decay(conf, decay, kept, monkeypatch):
+    """A decay named in MALLOC_CONF is the user's: nothing is written, and the answer says whether
+    freed pages stay (the workspace then sends mid-sized requests to the pool or to torch.empty)."""
+    monkeypatch.setenv("MALLOC_CONF", conf)
+    mallctl = _FakeMallctl(arenas=4, made=4, decay=decay)
+    assert workspace._tune_jemalloc(mallctl) is kept
     assert mallctl.written == {}
 
 
-_JEMALLOC = "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2"
+_JEMALLOC = ctypes.util.find_library("jemalloc")
 
 
-@pytest.mark.skipif(not os.path.exists(_JEMALLOC), reason=f"jemalloc is not installed ({_JEMALLOC})")
+@pytest.mark.skipif(_JEMALLOC is None, reason="jemalloc is not installed")
 def test_a_layer_built_under_a_preloaded_jemalloc_turns_its_decay_off():
     """The real library, preloaded into a fresh process: after a layer is built, the decay of every
     arena in use reads -1."""
@@ -108,14 +117,17 @@ def test_a_layer_built_under_a_preloaded_jemalloc_turns_its_decay_off():
         MoE(8, nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8)), num_experts=4, k=2)
         mallctl = ctypes.CDLL(None).mallctl
         mallctl.argtypes = [ctypes.c_char_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
-        for name in (b"arenas.dirty_decay_ms", b"arenas.muzzy_decay_ms", b"arena.0.dirty_decay_ms", b"arena.0.muzzy_decay_ms"):
-            value, size = ctypes.c_ssize_t(0), ctypes.c_size_t(ctypes.sizeof(ctypes.c_ssize_t))
-            assert mallctl(name, ctypes.byref(value), ctypes.byref(size), None, 0) == 0, name
-            print(name.decode(), value.value)
+        for kind in ("dirty", "muzzy"):
+            for where in ("arenas", "arena.0"):
+                name = f"{where}.{kind}_decay_ms".encode()
+                value, size = ctypes.c_ssize_t(0), ctypes.c_size_t(ctypes.sizeof(ctypes.c_ssize_t))
+                assert mallctl(name, ctypes.byref(value), ctypes.byref(size), None, 0) == 0, name
+                print(name.decode(), value.value)
     """)
     env = {key: value for key, value in os.environ.items() if key not in ("MALLOC_CONF", "MOE_CPU_WORKSPACE")}
     env["LD_PRELOAD"] = _JEMALLOC
-    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    done = subprocess.run([sys.executable, "-c", script], env=env, cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.split() == ["arenas.dirty_decay_ms", "-1", "arenas.muzzy_decay_ms", "-1",
-                                   "arena.0.dirty_decay_ms", "-1", "arena.0.muzzy_decay_ms", "-1"]
+    assert done.stdout.split() == ["arenas.dirty_decay_ms", "-1", "arena.0.dirty_decay_ms", "-1",
+                                   "arenas.muzzy_decay_ms", "-1", "arena.0.muzzy_decay_ms", "-1"]
