@@ -77,16 +77,17 @@ def _tune_jemalloc(mallctl) -> bool:
         if mallctl(b"arenas.narenas", ctypes.byref(arenas), ctypes.byref(size), None, 0):
             return False
         never = ctypes.c_ssize_t(-1)  # milliseconds ("ssize_t")
+
+        def turn_off(name: str) -> int:
+            return mallctl(name.encode(), None, None, ctypes.byref(never), ctypes.sizeof(never))
+
         for kind in ("dirty", "muzzy"):
             # the default of arenas made from now on, then each arena made so far (an index not made
             # yet answers EFAULT and takes the new default when it is made)
-            if mallctl(f"arenas.{kind}_decay_ms".encode(), None, None, ctypes.byref(never), ctypes.sizeof(never)):
+            if turn_off(f"arenas.{kind}_decay_ms"):
                 return False
-            for i in range(arenas.value):
-                answer = mallctl(f"arena.{i}.{kind}_decay_ms".encode(), None, None, ctypes.byref(never),
-                                 ctypes.sizeof(never))
-                if answer not in (0, errno.EFAULT):
-                    return False
+            if any(turn_off(f"arena.{i}.{kind}_decay_ms") not in (0, errno.EFAULT) for i in range(arenas.value)):
+                return False
     decay, size = ctypes.c_ssize_t(0), ctypes.c_size_t(ctypes.sizeof(ctypes.c_ssize_t))
     return mallctl(b"arenas.dirty_decay_ms", ctypes.byref(decay), ctypes.byref(size), None, 0) == 0 and decay.value < 0
 
