@@ -4,6 +4,7 @@
     python -m recipes.bench_gpt --steps 40 --n-embd 256 --ffn 1024
     python -m recipes.bench_gpt --breakdown          # also where each model's step goes, block by block
     python -m recipes.bench_gpt --profile            # also torch.profiler over 3 more steps of each model
+    python -m recipes.bench_gpt --deepspeed on       # also the model with DeepSpeed's MoE layer (needs deepspeed)
 
 Both models are built by `recipes.gpt` from the same flags (the dense twin with `--dense`: the same
 active parameters per token) and trained through the same engine with the same batches, writing
@@ -22,7 +23,14 @@ With --profile, torch.profiler records 3 more steps of each model and the bench 
 the host time and `.item()` calls; on a GPU also the host's waits for it (stream synchronizations),
 the kernel launches and the device time; and the ops that took the most device time (host time on a
 CPU). A small model on a GPU is launch-bound when its host time per step exceeds its device time.
-Any other `recipes.gpt` flag passes through to both models.
+Where `deepspeed` is importable (--deepspeed auto, the default; "on" requires it, "off" skips it), a
+third model runs beside them: the MoE model with DeepSpeed's MoE layer in place of each of ours, on
+the same routing config, trained through the same engine on the same batches, and its ratio to the
+dense twin is printed too: the same yardstick for the layer that `bench_moe` gives in isolation. It
+runs for the configs DeepSpeed's layer has a counterpart for (softmax top-k token choice with the
+auxiliary loss, one process, no shared experts, eager, ZeRO stages 0-2); for others it is left out
+with a line saying which flag has none (an error with --deepspeed on).
+Any other `recipes.gpt` flag passes through to every model.
 """
 
 import statistics
@@ -38,25 +46,76 @@ except ImportError:  # not on POSIX systems: no page-fault counts
     resource = None
 
 from kernels import gemm
-from moe import split_params_into_different_moe_groups_for_optimizer
+from moe import MoE, split_params_into_different_moe_groups_for_optimizer
 from optim import initialize
 from recipes import gpt
 from recipes.cli import engine_config, flag_parser
-from recipes.gpt_model import GPT
+from recipes.gpt_model import GPT, GPTConfig, mlp
 from recipes.step_breakdown import StepBreakdown
 from recipes.training import cpu_name
 
 
-def _engine(cfg: gpt.TrainConfig):
-    """The recipe's model and engine for `cfg`, TensorBoard statistics included (as the recipe writes them)."""
+def _engine(cfg: gpt.TrainConfig, moe_layer=None):
+    """The recipe's model and engine for `cfg`, TensorBoard statistics included (as the recipe writes them);
+    with `moe_layer` (a GPTConfig -> module), each MoE block's layer is the one it builds instead (see
+    `_deepspeed_layer`). The parameter counts are the recipe's model's."""
     torch.manual_seed(cfg.seed)
     model = GPT(gpt.model_config(cfg))
+    counts = model.parameter_counts()
+    if moe_layer is not None:
+        for block in model.blocks:
+            if isinstance(block.ffn, MoE):
+                block.ffn = moe_layer(model.cfg)
     if cfg.compile:  # as the recipe does: in place, before the engine wraps it (steps run in gpt.compile_setup)
         model.compile()
     groups = split_params_into_different_moe_groups_for_optimizer({"params": list(model.parameters()), "name": "dense"})
     config = engine_config(gpt.engine_fragments(cfg), set(), cfg.config)
     engine, *_ = initialize(model, model_parameters=groups, config=config)
-    return engine, model.parameter_counts()
+    return engine, counts
+
+
+# the flags (TrainConfig fields) DeepSpeed's MoE layer has no counterpart for away from these values
+_DEEPSPEED_COUNTERPARTS = {
+    "scoring_func": "softmax", "norm_topk_prob": "auto", "routed_scaling_factor": 1.0, "bias_update_speed": 0.0,
+    "load_balancing_type": "aux_loss", "n_group": 0, "topk_group": 0, "routing": "token_choice", "n_shared_experts": 0,
+    "ep_world_size": 1, "compile": False,
+}
+
+
+def deepspeed_unfit(cfg: gpt.TrainConfig) -> str | None:
+    """The first flag of `cfg` that DeepSpeed's MoE layer has no counterpart for, as "--flag value"; None
+    where its layer runs the same routing config (ZeRO stage 3 is left out too: our engine shards it)."""
+    for name, value in _DEEPSPEED_COUNTERPARTS.items():
+        given = getattr(cfg, name)
+        if given != value:
+            return f"--{name.replace('_', '-')}" + ("" if given is True else f" {given}")
+    return f"--stage {cfg.stage}" if cfg.stage == 3 else None
+
+
+def _deepspeed_layer():
+    """A GPTConfig -> DeepSpeed's MoE layer on that config, or None where deepspeed is not importable.
+
+    DeepSpeed's layer needs torch.distributed: a one-process gloo group on an in-memory store (no port)."""
+    try:
+        import deepspeed  # optional: only for side-by-side figures
+        from deepspeed.moe.layer import MoE as DeepSpeedMoE
+    except ImportError:
+        return None
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    deepspeed.init_distributed(dist_backend="gloo")
+
+    def build(mc: GPTConfig) -> torch.nn.Module:
+        layer = DeepSpeedMoE(mc.n_embd, mlp(mc.n_embd, mc.expert_ffn), num_experts=mc.num_experts, k=mc.top_k,
+                             capacity_factor=mc.capacity_factor, eval_capacity_factor=mc.eval_capacity_factor,
+                             min_capacity=mc.min_capacity, noisy_gate_policy=mc.noisy_gate_policy,
+                             drop_tokens=not mc.dropless)
+        layer.set_deepspeed_parallelism()
+        layer.z_loss = torch.zeros(())  # the block reads the layer's z-loss; DeepSpeed's has none
+        return layer
+    return build
 
 
 def _minor_faults() -> int | None:
@@ -130,17 +189,33 @@ def main(argv=None) -> dict:
     parser.add_argument("--profile", action="store_true",
                         help=f"also profile {PROFILED_STEPS} more steps of each model (torch.profiler): launches, "
                              "device and host time, host reads, the costliest ops")
+    parser.add_argument("--deepspeed", choices=("auto", "on", "off"), default="auto",
+                        help="also the model with DeepSpeed's MoE layer: where importable (auto), required (on), "
+                             "or not (off) (default: %(default)s)")
     args = parser.parse_args(argv)
-    warmup, breakdown, profiled = (args.__dict__.pop(flag) for flag in ("warmup", "breakdown", "profile"))
+    warmup, breakdown, profiled, deepspeed = (args.__dict__.pop(flag)
+                                              for flag in ("warmup", "breakdown", "profile", "deepspeed"))
     steps = args.steps
     if steps < 1 or warmup < 0:
         parser.error(f"--steps must be at least 1 and --warmup at least 0, got {steps} and {warmup}")
     base = gpt.TrainConfig(**vars(args))
     tokens, _ = gpt.split_tokens(gpt.load_text(base.data), base.val_fraction, base.seq_len)
     logs = tempfile.TemporaryDirectory(prefix="bench_gpt-")  # TensorBoard writes here, as the recipe writes to runs/
+    builders = {"moe": None, "dense": None}
+    if deepspeed != "off":
+        unfit = deepspeed_unfit(base)
+        build = None if unfit else _deepspeed_layer()
+        if unfit or build is None:
+            why = f"it has no counterpart for {unfit}" if unfit else "deepspeed is not importable in this environment"
+            if deepspeed == "on":
+                parser.error(f"--deepspeed on: DeepSpeed's MoE layer cannot run here: {why}")
+            if unfit:
+                print(f"DeepSpeed's MoE layer left out: {why}")
+        else:
+            builders["deepspeed"] = build
     runs = {name: gpt.TrainConfig(**{**vars(base), "dense": name == "dense", "log_dir": logs.name, "run_name": name})
-            for name in ("moe", "dense")}
-    engines = {name: _engine(cfg) for name, cfg in runs.items()}
+            for name in builders}
+    engines = {name: _engine(cfg, builders[name]) for name, cfg in runs.items()}
     timers = {}
     if breakdown:  # hooks on both models' blocks and optimizers, cleared when the timed steps begin
         timers = {name: StepBreakdown(engine.module, engine.optimizer) for name, (engine, _) in engines.items()}
@@ -170,12 +245,16 @@ def main(argv=None) -> dict:
         ms = statistics.median(times[name]) * 1e3
         total, active = engines[name][1]
         results[name] = base.batch_size * base.seq_len / ms * 1e3
-        print(f"{name:<6} {total:>10,} parameters {active:>10,} active  {ms:8.1f} ms/step  {results[name]:9.0f} tokens/s")
+        print(f"{name:<9} {total:>10,} parameters {active:>10,} active  {ms:8.1f} ms/step  {results[name]:9.0f} tokens/s")
     print(f"MoE / dense tokens/s: {results['moe'] / results['dense']:.3f}")
+    if "deepspeed" in results:
+        print(f"MoE with DeepSpeed's layer / dense tokens/s: {results['deepspeed'] / results['dense']:.3f}")
     if dropped:
         print(f"MoE choices dropped over capacity in the timed steps: {100 * statistics.mean(dropped):.1f}% "
               f"(after {warmup} untimed steps)")
     print(_spread(times["dense"], times["moe"]))
+    if "deepspeed" in times:
+        print("DeepSpeed's layer, " + _spread(times["dense"], times["deepspeed"]).replace("MoE", "DeepSpeed"))
     if all(faults.values()):
         print("minor page faults per step (median): " +
               ", ".join(f"{name} {statistics.median(counts):.0f}" for name, counts in faults.items()))

@@ -1,7 +1,7 @@
 """Where a training step's time goes, layer by layer: wall-clock timers on the feed-forward blocks.
 
-`StepBreakdown(model)` puts forward hooks on every block's feed-forward module (the MoE layer or the
-dense MLP) and, for MoE layers, on the gate and the experts inside. Each training forward (grad
+`StepBreakdown(model)` puts forward hooks on every block's feed-forward module (the MoE layer, ours or
+DeepSpeed's, or the dense MLP) and, for MoE layers, on the gate and the experts inside. Each training forward (grad
 enabled; evaluation forwards are not timed) is timed from its pre-hook to its hook; its backward from
 the moment the gradient of the module's output exists (a tensor hook) to the moment the gradient of
 its input does, paired call by call. For an MoE layer the rest of its time is, per call, the layer's
@@ -22,8 +22,6 @@ from collections import defaultdict
 
 import torch
 from torch import nn
-
-from moe import MoE
 
 __all__ = ["StepBreakdown"]
 
@@ -53,10 +51,11 @@ class StepBreakdown:
         self._layers = []  # (name, is an MoE layer), in model order
         for i, block in enumerate(model.blocks):
             ffn = block.ffn
-            name = f"block {i} {'MoE' if isinstance(ffn, MoE) else 'MLP'}"
-            self._layers.append((name, isinstance(ffn, MoE)))
+            is_moe = hasattr(ffn, "deepspeed_moe")  # ours, or DeepSpeed's MoE layer (recipes.bench_gpt's third model)
+            name = f"block {i} {'MoE' if is_moe else 'MLP'}"
+            self._layers.append((name, is_moe))
             self._time(ffn, name)
-            if isinstance(ffn, MoE):
+            if is_moe:
                 self._time(ffn.deepspeed_moe.gate, f"{name} gate", backward=False)
                 self._time(ffn.deepspeed_moe.experts, f"{name} experts")
         if optimizer is not None:

@@ -15,7 +15,7 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from kernels import gemm
-from moe import TopKGate
+from moe import MoE, TopKGate
 from recipes import bench_gpt, cifar, compare_dense_moe, gpt, runner
 from recipes.cli import engine_config, saved_recipe
 from recipes.gpt_model import GPT
@@ -327,7 +327,7 @@ def test_two_identical_gpt_runs_in_one_process_are_bitwise_equal(tmp_path, monke
 
 
 def test_bench_gpt_times_both_models(capsys):
-    results = bench_gpt.main(GPT_TINY + ["--steps", "2", "--warmup", "1"])
+    results = bench_gpt.main(GPT_TINY + ["--steps", "2", "--warmup", "1", "--deepspeed", "off"])
     assert set(results) == {"moe", "dense"} and all(rate > 0 for rate in results.values())
     out = capsys.readouterr().out
     printed = {name: _numbers(r"([0-9.,]+)", figures) for name, figures in re.findall(
@@ -349,6 +349,61 @@ def test_bench_gpt_times_both_models(capsys):
                         out)) == 1, out
     faults = re.search(r"^minor page faults per step \(median\): moe ([0-9]+), dense ([0-9]+)$", out, re.MULTILINE)
     assert faults or sys.platform == "win32", out  # counted wherever the OS counts them
+
+
+@pytest.mark.parametrize("flags, named", [
+    ([], None), (["--noisy-gate-policy", "Jitter", "--dropless"], None), (["--stage", "2"], None),
+    (["--scoring-func", "sigmoid"], "--scoring-func sigmoid"), (["--n-shared-experts", "1"], "--n-shared-experts 1"),
+    (["--bias-update-speed", "0.001"], "--bias-update-speed 0.001"), (["--routing", "expert_choice"], "--routing expert_choice"),
+    (["--ep-world-size", "2"], "--ep-world-size 2"), (["--compile"], "--compile"), (["--stage", "3"], "--stage 3"),
+])
+def test_bench_gpt_names_the_flag_deepspeeds_layer_has_no_counterpart_for(flags, named):
+    assert bench_gpt.deepspeed_unfit(gpt.TrainConfig(**_parsed(GPT_TINY + flags))) == named
+
+
+def test_bench_gpt_leaves_deepspeeds_layer_out_or_fails_where_it_cannot_run(monkeypatch, capsys):
+    timed = GPT_TINY + ["--steps", "1", "--warmup", "1"]
+    with pytest.raises(SystemExit) as failed:
+        bench_gpt.main(timed + ["--scoring-func", "sigmoid", "--deepspeed", "on"])
+    assert failed.value.code == 2
+    assert "--deepspeed on: DeepSpeed's MoE layer cannot run here: it has no counterpart for --scoring-func sigmoid" \
+        in capsys.readouterr().err
+    results = bench_gpt.main(timed + ["--scoring-func", "sigmoid"])  # auto: left out, with a line saying why
+    assert set(results) == {"moe", "dense"}
+    assert "DeepSpeed's MoE layer left out: it has no counterpart for --scoring-func sigmoid" in capsys.readouterr().out
+    monkeypatch.setattr(bench_gpt, "_deepspeed_layer", lambda: None)  # as where deepspeed is not installed
+    with pytest.raises(SystemExit):
+        bench_gpt.main(timed + ["--deepspeed", "on"])
+    assert "deepspeed is not importable in this environment" in capsys.readouterr().err
+    assert set(bench_gpt.main(timed)) == {"moe", "dense"}  # auto, silently
+    assert "DeepSpeed" not in capsys.readouterr().out
+
+
+def test_bench_gpt_times_a_third_model_with_the_other_layer_in_each_moe_block(monkeypatch, capsys):
+    # this project's layer stands in for DeepSpeed's (the same constructor): the swap, the engine and the report
+    built, forwards = [], []
+
+    def stand_in(mc):
+        layer = MoE(mc.n_embd, torch.nn.Sequential(torch.nn.Linear(mc.n_embd, mc.expert_ffn), torch.nn.GELU(),
+                                                     torch.nn.Linear(mc.expert_ffn, mc.n_embd)),
+                    num_experts=mc.num_experts, k=mc.top_k, capacity_factor=mc.capacity_factor, min_capacity=mc.min_capacity)
+        layer.register_forward_hook(lambda *_: forwards.append(1))
+        built.append(layer)
+        return layer
+
+    monkeypatch.setattr(bench_gpt, "_deepspeed_layer", lambda: stand_in)
+    results = bench_gpt.main(GPT_TINY + ["--n-layer", "4", "--steps", "2", "--warmup", "1", "--deepspeed", "on",
+                                         "--breakdown"])
+    assert set(results) == {"moe", "dense", "deepspeed"} and all(rate > 0 for rate in results.values())
+    assert len(built) == 2 and len(forwards) == 2 * 3  # blocks 1 and 3, in one untimed and two timed steps
+    out = capsys.readouterr().out
+    (ratio,) = _numbers(r"^MoE with DeepSpeed's layer / dense tokens/s: ([0-9.]+)$", out)
+    assert ratio == pytest.approx(results["deepspeed"] / results["dense"], abs=5e-4)
+    (printed,) = _numbers(r"^deepspeed +[0-9,]+ parameters +[0-9,]+ active +[0-9.]+ ms/step +([0-9.]+) tokens/s$", out)
+    assert printed == pytest.approx(results["deepspeed"], abs=0.51)
+    assert re.search(r"^DeepSpeed's layer, per-step pairs \(dense / DeepSpeed ms\): median [0-9.]+", out, re.MULTILINE), out
+    table = out.split("deepspeed model, parts of the timed steps:")[1].split("CPU products")[0]
+    assert re.search(r"^\s+block 3 MoE\s+[0-9.]+\s+[0-9.]+$", table, re.MULTILINE), table
 
 
 def test_bench_gpt_reports_the_choices_dropped_while_timed(capsys):

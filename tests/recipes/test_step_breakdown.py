@@ -94,7 +94,7 @@ def test_cleared_times_start_over_and_removed_hooks_time_nothing():
 
 def test_bench_gpt_prints_the_breakdown_of_both_models(capsys):
     args = ["--n-layer", "2", "--n-embd", "32", "--n-head", "2", "--ffn", "64", "--seq-len", "32", "--batch-size", "8",
-            "--num-experts", "4", "--top-k", "2", "--steps", "2", "--warmup", "1", "--breakdown"]
+            "--num-experts", "4", "--top-k", "2", "--steps", "2", "--warmup", "1", "--deepspeed", "off", "--breakdown"]
     bench_gpt.main(args)
     out = capsys.readouterr().out
     for name in ("moe", "dense"):
@@ -114,7 +114,7 @@ def test_bench_gpt_prints_the_breakdown_of_both_models(capsys):
 
 def test_bench_gpt_profiles_both_models(capsys):
     bench_gpt.main(["--steps", "1", "--warmup", "1", "--n-layer", "2", "--n-embd", "32", "--n-head", "2", "--ffn", "64",
-                    "--seq-len", "16", "--batch-size", "2", "--num-experts", "4", "--profile"])
+                    "--seq-len", "16", "--batch-size", "2", "--num-experts", "4", "--deepspeed", "off", "--profile"])
     out = capsys.readouterr().out
     assert f"profile of {bench_gpt.PROFILED_STEPS} more steps of each model" in out, out
     lines = {name: (float(ms), float(items)) for name, ms, items in re.findall(
