@@ -9,7 +9,7 @@
 Both models are built by `recipes.gpt` from the same flags (the dense twin with `--dense`: the same
 active parameters per token) and trained through the same engine with the same batches, writing
 the same TensorBoard statistics as the recipe does (to a temporary folder). Steps
-alternate between the two, so drift in the machine's speed hits both alike; the first --warmup
+alternate between the models, so drift in the machine's speed hits them alike; the first --warmup
 steps of each are not timed: the CPU products are measured and chosen there (see `kernels.gemm`),
 and the router settles. A fresh router drops about a tenth of the choices over capacity, so the MoE
 model's experts do less work than later in training; after about a hundred steps nearly every
@@ -24,12 +24,15 @@ the host time and `.item()` calls; on a GPU also the host's waits for it (stream
 the kernel launches and the device time; and the ops that took the most device time (host time on a
 CPU). A small model on a GPU is launch-bound when its host time per step exceeds its device time.
 Where `deepspeed` is importable (--deepspeed auto, the default; "on" requires it, "off" skips it), a
-third model runs beside them: the MoE model with DeepSpeed's MoE layer in place of each of ours, on
-the same routing config, trained through the same engine on the same batches, and its ratio to the
-dense twin is printed too: the same yardstick for the layer that `bench_moe` gives in isolation. It
-runs for the configs DeepSpeed's layer has a counterpart for (softmax top-k token choice with the
+third model runs beside them: the MoE model with DeepSpeed's MoE layer in place of each of ours,
+starting from our layers' weights, on the same routing config (but for the z-loss, which DeepSpeed's
+layer does not have: its model trains without one), through the same engine on the same batches;
+its ratio to the dense twin is printed too, the yardstick `bench_moe` gives for one layer. It runs
+for the configs DeepSpeed's layer has a counterpart for (softmax top-k token choice with the
 auxiliary loss, one process, no shared experts, eager, ZeRO stages 0-2); for others it is left out
-with a line saying which flag has none (an error with --deepspeed on).
+with a line saying which flag has none (an error with --deepspeed on). DeepSpeed's layer needs
+torch.distributed: the bench opens a one-process gloo group for the run (every model's engine then
+sums its step's statistics over it, a few tens of microseconds) and closes it at the end.
 Any other `recipes.gpt` flag passes through to every model.
 """
 
@@ -39,6 +42,7 @@ import tempfile
 import time
 
 import torch
+import torch.distributed as dist
 
 try:
     import resource
@@ -56,16 +60,14 @@ from recipes.training import cpu_name
 
 
 def _engine(cfg: gpt.TrainConfig, moe_layer=None):
-    """The recipe's model and engine for `cfg`, TensorBoard statistics included (as the recipe writes them);
-    with `moe_layer` (a GPTConfig -> module), each MoE block's layer is the one it builds instead (see
-    `_deepspeed_layer`). The parameter counts are the recipe's model's."""
+    """The recipe's model (its MoE layers replaced by `moe_layer(model config, layer)`), its engine, its counts."""
     torch.manual_seed(cfg.seed)
     model = GPT(gpt.model_config(cfg))
     counts = model.parameter_counts()
     if moe_layer is not None:
         for block in model.blocks:
             if isinstance(block.ffn, MoE):
-                block.ffn = moe_layer(model.cfg)
+                block.ffn = moe_layer(model.cfg, block.ffn)
     if cfg.compile:  # as the recipe does: in place, before the engine wraps it (steps run in gpt.compile_setup)
         model.compile()
     groups = split_params_into_different_moe_groups_for_optimizer({"params": list(model.parameters()), "name": "dense"})
@@ -83,39 +85,69 @@ _DEEPSPEED_COUNTERPARTS = {
 
 
 def deepspeed_unfit(cfg: gpt.TrainConfig) -> str | None:
-    """The first flag of `cfg` that DeepSpeed's MoE layer has no counterpart for, as "--flag value"; None
-    where its layer runs the same routing config (ZeRO stage 3 is left out too: our engine shards it)."""
+    """Which flag of `cfg`, if any, DeepSpeed's MoE layer has no counterpart for.
+
+    ZeRO stage 3 (from --stage or the --config file) counts as one: our engine would shard DeepSpeed's layer.
+
+    Args:
+        cfg: the bench's flags.
+
+    Returns:
+        the first such flag as written ("--scoring-func sigmoid", "--compile"), or None where
+        DeepSpeed's layer runs the same routing config.
+    """
     for name, value in _DEEPSPEED_COUNTERPARTS.items():
         given = getattr(cfg, name)
         if given != value:
             return f"--{name.replace('_', '-')}" + ("" if given is True else f" {given}")
-    return f"--stage {cfg.stage}" if cfg.stage == 3 else None
+    stage = engine_config(gpt.engine_fragments(cfg), set(), cfg.config).get("zero_optimization", {}).get("stage", 0)
+    return f"--stage {stage}" if stage == 3 else None
 
 
 def _deepspeed_layer():
-    """A GPTConfig -> DeepSpeed's MoE layer on that config, or None where deepspeed is not importable.
-
-    DeepSpeed's layer needs torch.distributed: a one-process gloo group on an in-memory store (no port)."""
+    """(model config, our layer) -> DeepSpeed's layer on that config, with our layer's weights; None without it."""
     try:
         import deepspeed  # optional: only for side-by-side figures
         from deepspeed.moe.layer import MoE as DeepSpeedMoE
     except ImportError:
         return None
-    import torch.distributed as dist
-
-    if not dist.is_initialized():
+    if not dist.is_initialized():  # DeepSpeed's layer needs a process group: one process, an in-memory store
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     deepspeed.init_distributed(dist_backend="gloo")
 
-    def build(mc: GPTConfig) -> torch.nn.Module:
+    def build(mc: GPTConfig, ours: MoE) -> torch.nn.Module:
         layer = DeepSpeedMoE(mc.n_embd, mlp(mc.n_embd, mc.expert_ffn), num_experts=mc.num_experts, k=mc.top_k,
                              capacity_factor=mc.capacity_factor, eval_capacity_factor=mc.eval_capacity_factor,
                              min_capacity=mc.min_capacity, noisy_gate_policy=mc.noisy_gate_policy,
                              drop_tokens=not mc.dropless)
         layer.set_deepspeed_parallelism()
-        layer.z_loss = torch.zeros(())  # the block reads the layer's z-loss; DeepSpeed's has none
+        _copy_weights(ours, layer)
+        layer.register_buffer("z_loss", torch.zeros(()), persistent=False)  # the block reads one; DeepSpeed has none
         return layer
     return build
+
+
+def _copy_weights(ours: MoE, theirs: torch.nn.Module) -> None:
+    """Our layer's router and stacked experts into DeepSpeed's layer (one Linear-act-Linear module per expert)."""
+    mine, their_experts = ours.deepspeed_moe.experts, theirs.deepspeed_moe.experts.deepspeed_experts
+    with torch.no_grad():
+        theirs.deepspeed_moe.gate.wg.weight.copy_(ours.deepspeed_moe.gate.wg.weight)
+        for e, expert in enumerate(their_experts):
+            for linear, weight, bias in ((expert[0], mine.weight1, mine.bias1), (expert[-1], mine.weight2, mine.bias2)):
+                linear.weight.copy_(weight[e])
+                if bias is not None:
+                    linear.bias.copy_(bias[e])
+
+
+def _close_deepspeed() -> None:
+    """Close the process group `_deepspeed_layer` opened, with DeepSpeed's expert groups cached on it."""
+    from deepspeed.utils import groups  # a later run in this process makes its groups anew
+
+    for name in ("_EXPERT_PARALLEL_GROUP", "_EXPERT_PARALLEL_GROUP_RANKS", "_EXPERT_DATA_PARALLEL_GROUP",
+                 "_EXPERT_DATA_PARALLEL_GROUP_RANKS"):
+        getattr(groups, name, {}).clear()
+    groups._WORLD_GROUP = None
+    dist.destroy_process_group()
 
 
 def _minor_faults() -> int | None:
@@ -124,15 +156,15 @@ def _minor_faults() -> int | None:
     return None if resource is None else resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
-def _spread(dense: list[float], moe: list[float]) -> str:
-    """The ratio step by step: dense / MoE time of each pair of adjacent steps, its median and quartiles,
+def _spread(dense: list[float], moe: list[float], name: str = "MoE") -> str:
+    """The ratio step by step: dense / `name` time of each pair of adjacent steps, its median and quartiles,
     and its median over each half of the run (a shared machine's slow phases show as a gap between them)."""
     pairs = [d / m for d, m in zip(dense, moe)]
     if len(pairs) < 2:
         return f"per-step pairs: {', '.join(f'{r:.3f}' for r in pairs)}"
     q1, median, q3 = statistics.quantiles(pairs, n=4, method="inclusive")
     half = len(pairs) // 2
-    return (f"per-step pairs (dense / MoE ms): median {median:.3f}, quartiles {q1:.3f}-{q3:.3f}; "
+    return (f"per-step pairs (dense / {name} ms): median {median:.3f}, quartiles {q1:.3f}-{q3:.3f}; "
             f"first half {statistics.median(pairs[:half]):.3f}, second half {statistics.median(pairs[half:]):.3f}")
 
 
@@ -160,7 +192,7 @@ def _profile(engines: dict, runs: dict, tokens: torch.Tensor, first_step: int) -
         per_step = lambda total: total / PROFILED_STEPS  # noqa: E731
         items = sum(e.count for e in events if e.key == "aten::_local_scalar_dense")
         host_ms = sum(e.self_cpu_time_total for e in events) / 1e3
-        line = f"  {name:<6} host {per_step(host_ms):8.2f} ms, {per_step(items):5.1f} .item() calls"
+        line = f"  {name:<9} host {per_step(host_ms):8.2f} ms, {per_step(items):5.1f} .item() calls"
         if cuda:
             launches = sum(e.count for e in events if e.key in _LAUNCHES)
             waits = sum(e.count for e in events if e.key == "cudaStreamSynchronize")
@@ -193,31 +225,41 @@ def main(argv=None) -> dict:
                         help="also the model with DeepSpeed's MoE layer: where importable (auto), required (on), "
                              "or not (off) (default: %(default)s)")
     args = parser.parse_args(argv)
-    warmup, breakdown, profiled, deepspeed = (args.__dict__.pop(flag)
-                                              for flag in ("warmup", "breakdown", "profile", "deepspeed"))
+    warmup, breakdown, profiled, deepspeed_mode = (args.__dict__.pop(flag)
+                                                   for flag in ("warmup", "breakdown", "profile", "deepspeed"))
     steps = args.steps
     if steps < 1 or warmup < 0:
         parser.error(f"--steps must be at least 1 and --warmup at least 0, got {steps} and {warmup}")
     base = gpt.TrainConfig(**vars(args))
     tokens, _ = gpt.split_tokens(gpt.load_text(base.data), base.val_fraction, base.seq_len)
-    logs = tempfile.TemporaryDirectory(prefix="bench_gpt-")  # TensorBoard writes here, as the recipe writes to runs/
     builders = {"moe": None, "dense": None}
-    if deepspeed != "off":
+    opened = not dist.is_initialized()  # a process group DeepSpeed's layer opens is closed at the end
+    if deepspeed_mode != "off":
         unfit = deepspeed_unfit(base)
         build = None if unfit else _deepspeed_layer()
         if unfit or build is None:
             why = f"it has no counterpart for {unfit}" if unfit else "deepspeed is not importable in this environment"
-            if deepspeed == "on":
+            if deepspeed_mode == "on":
                 parser.error(f"--deepspeed on: DeepSpeed's MoE layer cannot run here: {why}")
             if unfit:
                 print(f"DeepSpeed's MoE layer left out: {why}")
         else:
             builders["deepspeed"] = build
+    try:
+        return _run(base, builders, tokens, warmup, steps, breakdown, profiled)
+    finally:
+        if opened and dist.is_initialized():
+            _close_deepspeed()
+
+
+def _run(base, builders: dict, tokens, warmup: int, steps: int, breakdown: bool, profiled: bool) -> dict:
+    """Build and time the models (`builders`: name -> its MoE layers' builder or None); print; each one's tokens/s."""
+    logs = tempfile.TemporaryDirectory(prefix="bench_gpt-")  # TensorBoard writes here, as the recipe writes to runs/
     runs = {name: gpt.TrainConfig(**{**vars(base), "dense": name == "dense", "log_dir": logs.name, "run_name": name})
             for name in builders}
     engines = {name: _engine(cfg, builders[name]) for name, cfg in runs.items()}
     timers = {}
-    if breakdown:  # hooks on both models' blocks and optimizers, cleared when the timed steps begin
+    if breakdown:  # hooks on every model's blocks and optimizer, cleared when the timed steps begin
         timers = {name: StepBreakdown(engine.module, engine.optimizer) for name, (engine, _) in engines.items()}
     print(f"CPU: {cpu_name()}, torch {torch.__version__}, {torch.get_num_threads()} threads; "
           f"{base.batch_size} x {base.seq_len} tokens per step, {base.dtype}")
@@ -245,7 +287,8 @@ def main(argv=None) -> dict:
         ms = statistics.median(times[name]) * 1e3
         total, active = engines[name][1]
         results[name] = base.batch_size * base.seq_len / ms * 1e3
-        print(f"{name:<9} {total:>10,} parameters {active:>10,} active  {ms:8.1f} ms/step  {results[name]:9.0f} tokens/s")
+        print(f"{name:<9} {total:>10,} parameters {active:>10,} active  {ms:8.1f} ms/step  "
+              f"{results[name]:9.0f} tokens/s")
     print(f"MoE / dense tokens/s: {results['moe'] / results['dense']:.3f}")
     if "deepspeed" in results:
         print(f"MoE with DeepSpeed's layer / dense tokens/s: {results['deepspeed'] / results['dense']:.3f}")
@@ -254,7 +297,7 @@ def main(argv=None) -> dict:
               f"(after {warmup} untimed steps)")
     print(_spread(times["dense"], times["moe"]))
     if "deepspeed" in times:
-        print("DeepSpeed's layer, " + _spread(times["dense"], times["deepspeed"]).replace("MoE", "DeepSpeed"))
+        print("DeepSpeed's layer, " + _spread(times["dense"], times["deepspeed"], "DeepSpeed"))
     if all(faults.values()):
         print("minor page faults per step (median): " +
               ", ".join(f"{name} {statistics.median(counts):.0f}" for name, counts in faults.items()))

@@ -13,7 +13,7 @@ These are wall clocks on the calling thread, as `time.perf_counter` reads them, 
 the CPU they are the time spent; on a GPU they would time the launches only. A backward window holds
 whatever autograd runs between the two gradients: the module's own backward, the accumulation of its
 weights' gradients, and any other node autograd takes first. `recipes.bench_gpt --breakdown` prints
-them for the MoE model and its dense twin.
+them for each model it times: the MoE model, its dense twin and, with DeepSpeed, the model with its layer.
 """
 
 import statistics

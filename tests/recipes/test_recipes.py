@@ -354,7 +354,8 @@ def test_bench_gpt_times_both_models(capsys):
 @pytest.mark.parametrize("flags, named", [
     ([], None), (["--noisy-gate-policy", "Jitter", "--dropless"], None), (["--stage", "2"], None),
     (["--scoring-func", "sigmoid"], "--scoring-func sigmoid"), (["--n-shared-experts", "1"], "--n-shared-experts 1"),
-    (["--bias-update-speed", "0.001"], "--bias-update-speed 0.001"), (["--routing", "expert_choice"], "--routing expert_choice"),
+    (["--bias-update-speed", "0.001"], "--bias-update-speed 0.001"),
+    (["--routing", "expert_choice"], "--routing expert_choice"),
     (["--ep-world-size", "2"], "--ep-world-size 2"), (["--compile"], "--compile"), (["--stage", "3"], "--stage 3"),
 ])
 def test_bench_gpt_names_the_flag_deepspeeds_layer_has_no_counterpart_for(flags, named):
@@ -383,10 +384,12 @@ def test_bench_gpt_times_a_third_model_with_the_other_layer_in_each_moe_block(mo
     # this project's layer stands in for DeepSpeed's (the same constructor): the swap, the engine and the report
     built, forwards = [], []
 
-    def stand_in(mc):
+    def stand_in(mc, ours):
+        assert isinstance(ours, MoE)  # the layer it replaces, whose weights DeepSpeed's layer starts from
         layer = MoE(mc.n_embd, torch.nn.Sequential(torch.nn.Linear(mc.n_embd, mc.expert_ffn), torch.nn.GELU(),
                                                      torch.nn.Linear(mc.expert_ffn, mc.n_embd)),
-                    num_experts=mc.num_experts, k=mc.top_k, capacity_factor=mc.capacity_factor, min_capacity=mc.min_capacity)
+                    num_experts=mc.num_experts, k=mc.top_k, capacity_factor=mc.capacity_factor,
+                    min_capacity=mc.min_capacity)
         layer.register_forward_hook(lambda *_: forwards.append(1))
         built.append(layer)
         return layer
@@ -401,14 +404,54 @@ def test_bench_gpt_times_a_third_model_with_the_other_layer_in_each_moe_block(mo
     assert ratio == pytest.approx(results["deepspeed"] / results["dense"], abs=5e-4)
     (printed,) = _numbers(r"^deepspeed +[0-9,]+ parameters +[0-9,]+ active +[0-9.]+ ms/step +([0-9.]+) tokens/s$", out)
     assert printed == pytest.approx(results["deepspeed"], abs=0.51)
-    assert re.search(r"^DeepSpeed's layer, per-step pairs \(dense / DeepSpeed ms\): median [0-9.]+", out, re.MULTILINE), out
+    pairs = r"^DeepSpeed's layer, per-step pairs \(dense / DeepSpeed ms\): median [0-9.]+"
+    assert re.search(pairs, out, re.MULTILINE), out
     table = out.split("deepspeed model, parts of the timed steps:")[1].split("CPU products")[0]
     assert re.search(r"^\s+block 3 MoE\s+[0-9.]+\s+[0-9.]+$", table, re.MULTILINE), table
 
 
+def test_bench_gpt_counts_a_config_files_zero_stage_3_as_without_counterpart(tmp_path):
+    config = tmp_path / "engine.json"
+    config.write_text('{"zero_optimization": {"stage": 3}}')
+    assert bench_gpt.deepspeed_unfit(gpt.TrainConfig(**_parsed(GPT_TINY + ["--config", str(config)]))) == "--stage 3"
+    config.write_text('{"zero_optimization": {"stage": 2}}')
+    assert bench_gpt.deepspeed_unfit(gpt.TrainConfig(**_parsed(GPT_TINY + ["--config", str(config)]))) is None
+
+
+def test_bench_gpt_runs_deepspeeds_own_layer_on_the_config_from_our_layers_weights(monkeypatch):
+    # where deepspeed is installed (its own virtual environment): the real layer, built and trained
+    deepspeed_moe = pytest.importorskip("deepspeed.moe.layer", reason="deepspeed is not installed")
+    import torch.distributed as dist
+
+    real, made = bench_gpt._deepspeed_layer, []
+
+    def recording():
+        build = real()
+
+        def built(mc, ours):
+            layer = build(mc, ours)
+            theirs, mine = layer.deepspeed_moe.experts.deepspeed_experts, ours.deepspeed_moe.experts
+            made.append((layer, torch.equal(layer.deepspeed_moe.gate.wg.weight, ours.deepspeed_moe.gate.wg.weight),
+                         all(torch.equal(theirs[e][0].weight, mine.weight1[e]) and torch.equal(theirs[e][2].bias, mine.bias2[e])
+                             for e in range(mc.num_experts))))
+            return layer
+        return built
+
+    monkeypatch.setattr(bench_gpt, "_deepspeed_layer", recording)
+    results = bench_gpt.main(GPT_TINY + ["--steps", "1", "--warmup", "1", "--deepspeed", "on", "--noisy-gate-policy",
+                                         "Jitter", "--dropless", "--capacity-factor", "1.5"])
+    assert set(results) == {"moe", "dense", "deepspeed"}
+    assert not dist.is_initialized()  # the process group it opened for DeepSpeed is closed
+    ((layer, same_router, same_experts),) = made  # GPT_TINY's one MoE block
+    assert isinstance(layer, deepspeed_moe.MoE) and same_router and same_experts
+    gate = layer.deepspeed_moe.gate
+    assert (gate.k, gate.capacity_factor, gate.eval_capacity_factor, gate.min_capacity, gate.noisy_gate_policy,
+            gate.drop_tokens) == (2, 1.5, 2.0, 4, "Jitter", False)
+
+
 def test_bench_gpt_reports_the_choices_dropped_while_timed(capsys):
     # capacity factor 0.5 with top-2: the experts hold S slots for 2 S choices, so at least half are dropped
-    bench_gpt.main(GPT_TINY + ["--steps", "2", "--warmup", "1", "--capacity-factor", "0.5"])
+    bench_gpt.main(GPT_TINY + ["--steps", "2", "--warmup", "1", "--capacity-factor", "0.5", "--deepspeed", "off"])
     out = capsys.readouterr().out
     (percent,) = _numbers(r"^MoE choices dropped over capacity in the timed steps: ([0-9.]+)%", out)
     assert 50.0 <= percent <= 100.0, out

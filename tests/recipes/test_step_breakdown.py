@@ -92,6 +92,34 @@ def test_cleared_times_start_over_and_removed_hooks_time_nothing():
     assert not timer.seconds
 
 
+class _Foreign(torch.nn.Module):
+    """An MoE layer of another class with DeepSpeed's layout (`deepspeed_moe.gate`, `.experts`): DeepSpeed's own."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+        self.deepspeed_moe = inner.deepspeed_moe
+        self.z_loss = inner.z_loss
+
+    def forward(self, x):
+        out = self.inner(x)
+        self.z_loss = self.inner.z_loss
+        return out
+
+
+def test_an_moe_layer_of_another_class_is_timed_with_its_gate_and_experts():
+    torch.manual_seed(0)
+    model = GPT(gpt.model_config(gpt.TrainConfig(**TINY)))
+    model.blocks[1].ffn = _Foreign(model.blocks[1].ffn)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    timer = StepBreakdown(model, optimizer)
+    _train(model, optimizer, 2)
+    layer = "block 1 MoE"
+    assert {f"{layer} forward", f"{layer} backward", f"{layer} gate forward", f"{layer} experts forward",
+            f"{layer} experts backward"} <= set(timer.seconds), sorted(timer.seconds)
+    assert all(len(timer.seconds[f"{layer} {part}"]) == 2 for part in ("forward", "gate forward", "experts backward"))
+
+
 def test_bench_gpt_prints_the_breakdown_of_both_models(capsys):
     args = ["--n-layer", "2", "--n-embd", "32", "--n-head", "2", "--ffn", "64", "--seq-len", "32", "--batch-size", "8",
             "--num-experts", "4", "--top-k", "2", "--steps", "2", "--warmup", "1", "--deepspeed", "off", "--breakdown"]
