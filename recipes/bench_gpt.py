@@ -111,7 +111,7 @@ def _deepspeed_layer():
         from deepspeed.moe.layer import MoE as DeepSpeedMoE
     except ImportError:
         return None
-    if not dist.is_initialized():  # DeepSpeed's layer needs a process group: one process, an in-memory store
+    if not _distributed():  # DeepSpeed's layer needs a process group: one process, an in-memory store
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     deepspeed.init_distributed(dist_backend="gloo")
 
@@ -125,6 +125,11 @@ def _deepspeed_layer():
         layer.register_buffer("z_loss", torch.zeros(()), persistent=False)  # the block reads one; DeepSpeed has none
         return layer
     return build
+
+
+def _distributed() -> bool:
+    """Whether this process is in a torch.distributed process group."""
+    return dist.is_available() and dist.is_initialized()
 
 
 def _copy_weights(ours: MoE, theirs: torch.nn.Module) -> None:
@@ -233,7 +238,7 @@ def main(argv=None) -> dict:
     base = gpt.TrainConfig(**vars(args))
     tokens, _ = gpt.split_tokens(gpt.load_text(base.data), base.val_fraction, base.seq_len)
     builders = {"moe": None, "dense": None}
-    opened = not dist.is_initialized()  # a process group DeepSpeed's layer opens is closed at the end
+    opened = not _distributed()  # a process group DeepSpeed's layer opens is closed at the end
     if deepspeed_mode != "off":
         unfit = deepspeed_unfit(base)
         build = None if unfit else _deepspeed_layer()
@@ -248,7 +253,7 @@ def main(argv=None) -> dict:
     try:
         return _run(base, builders, tokens, warmup, steps, breakdown, profiled)
     finally:
-        if opened and dist.is_initialized():
+        if opened and _distributed():
             _close_deepspeed()
 
 

@@ -1,19 +1,20 @@
 """Where a training step's time goes, layer by layer: wall-clock timers on the feed-forward blocks.
 
 `StepBreakdown(model)` puts forward hooks on every block's feed-forward module (the MoE layer, ours or
-DeepSpeed's, or the dense MLP) and, for MoE layers, on the gate and the experts inside. Each training forward (grad
-enabled; evaluation forwards are not timed) is timed from its pre-hook to its hook; its backward from
-the moment the gradient of the module's output exists (a tensor hook) to the moment the gradient of
-its input does, paired call by call. For an MoE layer the rest of its time is, per call, the layer's
-time less the gate's and the experts' in the forward (dispatch, combine, the layer's bookkeeping),
-and less the experts' in the backward (dispatch, combine and the router's backward). The optimizer's
-step is timed by its own step hooks.
+DeepSpeed's, or the dense MLP) and, for MoE layers, on the gate and the experts inside. Each training
+forward (grad enabled; evaluation forwards are not timed) is timed from its pre-hook to its hook; its
+backward from the moment the gradient of the module's output exists (a tensor hook) to the moment the
+gradient of its input does, paired call by call. For an MoE layer the rest of its time is, per call, the
+layer's time less the gate's and the experts' in the forward (dispatch, combine, the layer's
+bookkeeping), and less the experts' in the backward (dispatch, combine and the router's backward). The
+optimizer's step is timed by its own step hooks.
 
 These are wall clocks on the calling thread, as `time.perf_counter` reads them, with no host sync: on
 the CPU they are the time spent; on a GPU they would time the launches only. A backward window holds
 whatever autograd runs between the two gradients: the module's own backward, the accumulation of its
 weights' gradients, and any other node autograd takes first. `recipes.bench_gpt --breakdown` prints
-them for each model it times: the MoE model, its dense twin and, with DeepSpeed, the model with its layer.
+them for each model it times: the MoE model, its dense twin and, with DeepSpeed, the model with its
+layer.
 """
 
 import statistics
