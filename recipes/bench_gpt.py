@@ -93,15 +93,17 @@ def deepspeed_unfit(cfg: gpt.TrainConfig) -> str | None:
         cfg: the bench's flags.
 
     Returns:
-        the first such flag as written ("--scoring-func sigmoid", "--compile"), or None where
-        DeepSpeed's layer runs the same routing config.
+        the first such flag as written ("--scoring-func sigmoid", "--compile", "--config FILE (ZeRO
+        stage 3)"), or None where DeepSpeed's layer runs the same routing config.
     """
     for name, value in _DEEPSPEED_COUNTERPARTS.items():
         given = getattr(cfg, name)
         if given != value:
             return f"--{name.replace('_', '-')}" + ("" if given is True else f" {given}")
-    stage = engine_config(gpt.engine_fragments(cfg), set(), cfg.config).get("zero_optimization", {}).get("stage", 0)
-    return f"--stage {stage}" if stage == 3 else None
+    if cfg.stage == 3:
+        return "--stage 3"
+    zero = engine_config(gpt.engine_fragments(cfg), set(), cfg.config).get("zero_optimization") or {}
+    return f"--config {cfg.config} (ZeRO stage 3)" if zero.get("stage", 0) == 3 else None
 
 
 def _deepspeed_layer():
@@ -146,12 +148,15 @@ def _copy_weights(ours: MoE, theirs: torch.nn.Module) -> None:
 
 def _close_deepspeed() -> None:
     """Close the process group `_deepspeed_layer` opened, with DeepSpeed's expert groups cached on it."""
-    from deepspeed.utils import groups  # a later run in this process makes its groups anew
-
-    for name in ("_EXPERT_PARALLEL_GROUP", "_EXPERT_PARALLEL_GROUP_RANKS", "_EXPERT_DATA_PARALLEL_GROUP",
-                 "_EXPERT_DATA_PARALLEL_GROUP_RANKS"):
-        getattr(groups, name, {}).clear()
-    groups._WORLD_GROUP = None
+    try:
+        from deepspeed.utils import groups  # a later run in this process makes its groups anew
+    except ImportError:
+        groups = None
+    if groups is not None:
+        for name in ("_EXPERT_PARALLEL_GROUP", "_EXPERT_PARALLEL_GROUP_RANKS", "_EXPERT_DATA_PARALLEL_GROUP",
+                     "_EXPERT_DATA_PARALLEL_GROUP_RANKS"):
+            getattr(groups, name, {}).clear()
+        groups._WORLD_GROUP = None
     dist.destroy_process_group()
 
 
@@ -238,19 +243,20 @@ def main(argv=None) -> dict:
     base = gpt.TrainConfig(**vars(args))
     tokens, _ = gpt.split_tokens(gpt.load_text(base.data), base.val_fraction, base.seq_len)
     builders = {"moe": None, "dense": None}
-    opened = not _distributed()  # a process group DeepSpeed's layer opens is closed at the end
-    if deepspeed_mode != "off":
-        unfit = deepspeed_unfit(base)
-        build = None if unfit else _deepspeed_layer()
-        if unfit or build is None:
-            why = f"it has no counterpart for {unfit}" if unfit else "deepspeed is not importable in this environment"
-            if deepspeed_mode == "on":
-                parser.error(f"--deepspeed on: DeepSpeed's MoE layer cannot run here: {why}")
-            if unfit:
-                print(f"DeepSpeed's MoE layer left out: {why}")
-        else:
-            builders["deepspeed"] = build
+    opened = not _distributed()  # a process group DeepSpeed's layer opens for the run is closed at its end
     try:
+        if deepspeed_mode != "off":
+            unfit = deepspeed_unfit(base)
+            build = None if unfit else _deepspeed_layer()
+            if unfit or build is None:
+                why = (f"it has no counterpart for {unfit}" if unfit
+                       else "deepspeed is not importable in this environment")
+                if deepspeed_mode == "on":
+                    parser.error(f"--deepspeed on: DeepSpeed's MoE layer cannot run here: {why}")
+                if unfit:
+                    print(f"DeepSpeed's MoE layer left out: {why}")
+            else:
+                builders["deepspeed"] = build
         return _run(base, builders, tokens, warmup, steps, breakdown, profiled)
     finally:
         if opened and _distributed():

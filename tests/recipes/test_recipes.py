@@ -412,10 +412,44 @@ def test_bench_gpt_times_a_third_model_with_the_other_layer_in_each_moe_block(mo
 
 def test_bench_gpt_counts_a_config_files_zero_stage_3_as_without_counterpart(tmp_path):
     config = tmp_path / "engine.json"
+    cfg = gpt.TrainConfig(**_parsed(GPT_TINY + ["--config", str(config)]))
     config.write_text('{"zero_optimization": {"stage": 3}}')
-    assert bench_gpt.deepspeed_unfit(gpt.TrainConfig(**_parsed(GPT_TINY + ["--config", str(config)]))) == "--stage 3"
-    config.write_text('{"zero_optimization": {"stage": 2}}')
-    assert bench_gpt.deepspeed_unfit(gpt.TrainConfig(**_parsed(GPT_TINY + ["--config", str(config)]))) is None
+    assert bench_gpt.deepspeed_unfit(cfg) == f"--config {config} (ZeRO stage 3)"
+    for text in ('{"zero_optimization": {"stage": 2}}', '{"zero_optimization": null}', "{}"):
+        config.write_text(text)
+        assert bench_gpt.deepspeed_unfit(cfg) is None, text
+
+
+class _DeepSpeedShaped(torch.nn.Module):
+    """DeepSpeed's MoE layer's parameter layout: a router `wg` and one Linear-GELU-Linear module per expert."""
+
+    def __init__(self, width: int, hidden: int, experts: int):
+        super().__init__()
+        self.deepspeed_moe = torch.nn.Module()
+        self.deepspeed_moe.gate = torch.nn.Module()
+        self.deepspeed_moe.gate.wg = torch.nn.Linear(width, experts, bias=False)
+        self.deepspeed_moe.experts = torch.nn.Module()
+        self.deepspeed_moe.experts.deepspeed_experts = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(width, hidden), torch.nn.GELU(), torch.nn.Linear(hidden, width))
+            for _ in range(experts))
+
+
+def test_bench_gpt_copies_our_layers_router_and_each_experts_weights_into_deepspeeds_layout():
+    torch.manual_seed(0)
+    ours = MoE(16, torch.nn.Sequential(torch.nn.Linear(16, 40), torch.nn.GELU(), torch.nn.Linear(40, 16)),
+               num_experts=3, k=2, expert_init="per_expert_seed")
+    theirs = _DeepSpeedShaped(16, 40, 3)
+    bench_gpt._copy_weights(ours, theirs)
+    mine = ours.deepspeed_moe.experts
+    assert torch.equal(theirs.deepspeed_moe.gate.wg.weight, ours.deepspeed_moe.gate.wg.weight)
+    for e, expert in enumerate(theirs.deepspeed_moe.experts.deepspeed_experts):
+        assert torch.equal(expert[0].weight, mine.weight1[e]) and torch.equal(expert[0].bias, mine.bias1[e])
+        assert torch.equal(expert[2].weight, mine.weight2[e]) and torch.equal(expert[2].bias, mine.bias2[e])
+    x = torch.randn(5, 16)  # the same experts, so the same outputs expert by expert
+    for e, expert in enumerate(theirs.deepspeed_moe.experts.deepspeed_experts):
+        linear, gelu = torch.nn.functional.linear, torch.nn.functional.gelu
+        ref = linear(gelu(linear(x, mine.weight1[e], mine.bias1[e])), mine.weight2[e], mine.bias2[e])
+        torch.testing.assert_close(expert(x), ref, rtol=0, atol=0)
 
 
 def test_bench_gpt_runs_deepspeeds_own_layer_on_the_config_from_our_layers_weights(monkeypatch):
@@ -431,19 +465,24 @@ def test_bench_gpt_runs_deepspeeds_own_layer_on_the_config_from_our_layers_weigh
         def built(mc, ours):
             layer = build(mc, ours)
             theirs, mine = layer.deepspeed_moe.experts.deepspeed_experts, ours.deepspeed_moe.experts
-            made.append((layer, torch.equal(layer.deepspeed_moe.gate.wg.weight, ours.deepspeed_moe.gate.wg.weight),
-                         all(torch.equal(theirs[e][0].weight, mine.weight1[e]) and torch.equal(theirs[e][2].bias, mine.bias2[e])
-                             for e in range(mc.num_experts))))
+            pairs = [(layer.deepspeed_moe.gate.wg.weight, ours.deepspeed_moe.gate.wg.weight)]
+            for e in range(mc.num_experts):
+                pairs += [(theirs[e][0].weight, mine.weight1[e]), (theirs[e][0].bias, mine.bias1[e]),
+                          (theirs[e][2].weight, mine.weight2[e]), (theirs[e][2].bias, mine.bias2[e])]
+            made.append((layer, all(torch.equal(a, b) for a, b in pairs)))
             return layer
         return built
 
     monkeypatch.setattr(bench_gpt, "_deepspeed_layer", recording)
-    results = bench_gpt.main(GPT_TINY + ["--steps", "1", "--warmup", "1", "--deepspeed", "on", "--noisy-gate-policy",
-                                         "Jitter", "--dropless", "--capacity-factor", "1.5"])
-    assert set(results) == {"moe", "dense", "deepspeed"}
-    assert not dist.is_initialized()  # the process group it opened for DeepSpeed is closed
-    ((layer, same_router, same_experts),) = made  # GPT_TINY's one MoE block
-    assert isinstance(layer, deepspeed_moe.MoE) and same_router and same_experts
+    flags = GPT_TINY + ["--ffn", "128", "--steps", "1", "--warmup", "1", "--deepspeed", "on",  # experts 32 -> 64
+                        "--noisy-gate-policy", "Jitter", "--dropless", "--capacity-factor", "1.5"]
+    for _ in range(2):  # a second run in the process: DeepSpeed's groups were closed with the first
+        results = bench_gpt.main(flags)
+        assert set(results) == {"moe", "dense", "deepspeed"}
+        assert not dist.is_initialized()  # the process group it opened for DeepSpeed is closed
+    layer, same_weights = made[0]  # GPT_TINY's one MoE block, in each run
+    assert len(made) == 2 and isinstance(layer, deepspeed_moe.MoE) and same_weights and made[1][1]
+    assert "z_loss" not in layer.state_dict()
     gate = layer.deepspeed_moe.gate
     assert (gate.k, gate.capacity_factor, gate.eval_capacity_factor, gate.min_capacity, gate.noisy_gate_policy,
             gate.drop_tokens) == (2, 1.5, 2.0, 4, "Jitter", False)
