@@ -117,6 +117,24 @@ class Experts(nn.Module):
                 tag_template_copy(param)
         self._register_load_state_dict_pre_hook(self._convert_state_dict)
 
+    def place(self, first_expert: int, expert: nn.Module | None = None, seed: int | None = None) -> None:
+        """Hold global experts first_expert ... first_expert + L - 1 (once the expert-parallel rank is known).
+
+        Re-tags the parameters; with `seed` (expert_init="per_expert_seed") the local experts are
+        re-initialised from (seed, first_expert + l) on a fresh deep copy of `expert`.
+        """
+        group_name, first, data_before = self._tags
+        if first_expert == first:
+            return
+        if seed is not None:
+            fresh = Experts(expert, self.num_local_experts, group_name, "auto" if self.stacked else False,
+                            (seed, first_expert), first_expert, data_before)
+            with torch.no_grad():
+                for mine, new in zip(self.parameters(), fresh.parameters()):
+                    mine.copy_(new)
+        self._tags = (group_name, first_expert, data_before)
+        self._tag()
+
     def __setstate__(self, state):
         """Re-tag after deepcopy or unpickling: nn.Parameter's deepcopy drops its attributes."""
         super().__setstate__(state)

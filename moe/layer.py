@@ -17,6 +17,7 @@ import copy
 import warnings
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from kernels import buffer_rows, permute, unpermute_combine, workspace
@@ -29,7 +30,7 @@ from moe.experts import Experts, _plain_mlp
 from moe.gate import TopKGate
 from moe.rank_exchange import run_experts_per_rank
 from moe.routing import Routing
-from parallel import expert_groups
+from parallel import expert_groups, init_distributed
 
 __all__ = ["MoE", "MOELayer"]
 
@@ -202,9 +203,10 @@ class MoE(nn.Module):
             (once per destination rank, its choices expanded there: fewer bytes when a token picks
             several experts of one rank, as group-limited routing with n_group = ep_size arranges).
 
-    With ep_size > 1 (under torchrun, after parallel.init_distributed()), this rank holds global
-    experts ep_rank * L ... ep_rank * L + L - 1 (L = num_experts / ep_size) and tokens travel to them
-    by all-to-all within its expert-parallel group.
+    With ep_size > 1 (under torchrun), this rank holds global experts ep_rank * L ... ep_rank * L + L - 1
+    (L = num_experts / ep_size) and tokens travel to them by all-to-all within its expert-parallel
+    group. The layer may be built before the process group exists, as DeepSpeed scripts do: its groups
+    are made by `optim.initialize` or at its first forward (see `set_deepspeed_parallelism`).
 
     After each forward, `z_loss` holds the router z-loss (ST-MoE) of that forward, and
     `deepspeed_moe.routing` the full Routing plan.
@@ -265,8 +267,15 @@ class MoE(nn.Module):
         )
         _check_expert_width(expert, hidden_size)
         shared = _shared_expert(expert, n_shared_experts, shared_expert, use_residual)
-        groups = expert_groups(ep_size, use_data_before_expert_parallel) if ep_size > 1 else None
+        # DeepSpeed builds the layer before any process group exists and makes its groups in
+        # initialize: without torch.distributed the groups wait for initialize or the first forward
+        joined = dist.is_available() and dist.is_initialized()
+        groups = expert_groups(ep_size, use_data_before_expert_parallel) if ep_size > 1 and joined else None
         ep_group = gate.ep_group = groups.ep_group if groups else None
+        self._pending = ep_size > 1 and groups is None
+        self._use_data_before_expert_parallel = use_data_before_expert_parallel
+        # the template and seed that re-initialise per-expert-seeded experts once the ep rank is known
+        self._template = (expert, seed) if self._pending and expert_init == "per_expert_seed" else None
         self.hidden_size = hidden_size
         self.num_experts = num_experts
         self.ep_size = ep_size
@@ -292,6 +301,45 @@ class MoE(nn.Module):
         self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False) if shared_expert_gate and shared else None
         if shared_expert_gate and shared is None:
             raise ValueError("shared_expert_gate=True needs a shared expert: set n_shared_experts or shared_expert")
+
+    def set_deepspeed_parallelism(self, use_data_before_expert_parallel_: bool | None = None) -> None:
+        """Make this layer's expert-parallel groups (DeepSpeed's name; `optim.initialize` calls it).
+
+        A layer built before torch.distributed was initialised waits for its groups: `initialize`, or
+        its first forward, joins the process group torchrun describes and calls this. Then the layer
+        takes its expert-parallel rank's experts (re-tagged, and re-initialised for
+        expert_init="per_expert_seed"). Nothing happens for a layer that has its groups.
+
+        Args:
+            use_data_before_expert_parallel_: DeepSpeed's alternative rank layout; None keeps the
+                layer's own `use_data_before_expert_parallel`.
+
+        Raises:
+            RuntimeError: torch.distributed is not initialised.
+            ValueError: ep_size does not divide the world size, or the layout differs from the layer's.
+        """
+        if not self._pending:
+            return
+        layout = self._use_data_before_expert_parallel
+        if use_data_before_expert_parallel_ is not None and bool(use_data_before_expert_parallel_) != layout:
+            raise ValueError(f"use_data_before_expert_parallel_ ({use_data_before_expert_parallel_}) differs from "
+                             f"the layer's use_data_before_expert_parallel ({layout}); the experts were tagged with it")
+        groups = expert_groups(self.ep_size, layout)
+        self.ep_rank = groups.ep_rank
+        expert, seed = self._template or (None, None)
+        self.deepspeed_moe.experts.place(self.ep_rank * self.num_local_experts, expert, seed)
+        self.deepspeed_moe.ep_group = self.deepspeed_moe.gate.ep_group = groups.ep_group
+        self._pending, self._template = False, None
+
+    def _join(self) -> None:
+        """At a forward before the groups exist: join torchrun's process group and make them, or fail."""
+        init_distributed()
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError(
+                f"this MoE layer has ep_size ({self.ep_size}) > 1 and no process group: launch the script with "
+                "torchrun (optim.initialize or the layer's first forward then joins it), or call "
+                "parallel.init_distributed() before the first forward")
+        self.set_deepspeed_parallelism()
 
     @property
     def expert_bias(self) -> torch.Tensor | None:
@@ -338,6 +386,8 @@ class MoE(nn.Module):
             )
         if not hidden_states.is_floating_point():
             raise TypeError(f"hidden_states must be a floating-point tensor, got {hidden_states.dtype}")
+        if self._pending:
+            self._join()
         x_SM = hidden_states.reshape(-1, self.hidden_size)
         seq_len = hidden_states.shape[-2] if hidden_states.dim() == 3 else None  # [batch, seq, hidden]
         out_SM = self.deepspeed_moe(x_SM, used_token, seq_len)

@@ -464,8 +464,13 @@ def _state_to_read(engine, unit, stored, boxes: Boxes, per_element: list[str] | 
 
 
 def load(engine, load_dir: str, tag: str | None, load_optimizer_states: bool = True,
-         load_lr_scheduler_states: bool = True):
-    """Load a checkpoint into `engine` whatever layout wrote it (collective); returns (path, client_state)."""
+         load_lr_scheduler_states: bool = True, load_module_only: bool = False):
+    """Load a checkpoint into `engine` whatever layout wrote it (collective); returns (path, client_state).
+
+    load_module_only: only the model (its master weights and buffers), as DeepSpeed's warm start: the
+    optimizer, schedule, loss scale, step counters and random states stay as they are."""
+    if load_module_only:
+        load_optimizer_states = load_lr_scheduler_states = False
     path = _checked_path(engine, load_dir, tag)
     meta = torch.load(os.path.join(path, "meta.pt"), weights_only=True)
     if meta.get("format") != _FORMAT:
@@ -484,6 +489,11 @@ def load(engine, load_dir: str, tag: str | None, load_optimizer_states: bool = T
         unit.write_back()  # the model's copy of the master just read (all-gathered in stages 1-2)
         if load_optimizer_states and states[index]:
             engine.optimizer.state[unit.proxy] = states[index]
+    if meta.get("gemm"):  # the products the saving rank had chosen: a resumed run multiplies as it did
+        gemm.adopt(meta["gemm"][engine.rank % len(meta["gemm"])])
+    engine.zero_grad()
+    if load_module_only:
+        return path, meta["client_state"]
     engine.global_steps, engine.micro_steps = meta["global_steps"], meta["micro_steps"]
     engine.skipped_steps = meta["skipped_steps"]
     if engine.scaler is not None and meta["scaler"] is not None:
@@ -493,13 +503,10 @@ def load(engine, load_dir: str, tag: str | None, load_optimizer_states: bool = T
             group.update({k: v for k, v in saved.items() if k not in ("name", "moe")})
     if load_lr_scheduler_states and engine.lr_scheduler is not None and meta["lr_scheduler"] is not None:
         engine.lr_scheduler.load_state_dict(meta["lr_scheduler"])
-    if meta.get("gemm"):  # the products the saving rank had chosen: a resumed run multiplies as it did
-        gemm.adopt(meta["gemm"][engine.rank % len(meta["gemm"])])
     rng = meta["rng"][engine.rank % len(meta["rng"])]
     torch.set_rng_state(rng["cpu"])
     if "cuda" in rng and accelerator_name() == "cuda":
         torch.cuda.set_rng_state(rng["cuda"])
-    engine.zero_grad()
     return path, meta["client_state"]
 
 

@@ -1,7 +1,11 @@
 """The engine's configuration: DeepSpeed's JSON keys parsed once into nested dataclasses.
 
-`parse_config(dict or JSON path, world_size)` checks every key and type at the edge: an unknown key
-or a wrong type raises with the key's full path (`zero_optimization.stage`). Keys DeepSpeed knows
+`parse_config(dict or JSON path, world_size)` checks every key and type at the edge: a wrong type
+raises with the key's full path (`zero_optimization.stage`). Unknown keys are treated as DeepSpeed
+0.19.8 treats them: at the top level and beside `optimizer`'s and `scheduler`'s `type` and `params`
+(comment keys such as `_comment`) they are ignored and listed once in a warning; inside the other
+sections they fail; a key close to a known one (`train_batch_sizee`) fails everywhere, naming the known
+key. A JSON file that repeats a key fails, as DeepSpeed's loader does. Keys DeepSpeed knows
 that change nothing here (bucket sizes, overlap switches, ...) are accepted and listed once in a
 warning; DeepSpeed's deprecated spellings it still reads (`zero_optimization.cpu_offload`, ...) are read
 as their current keys and listed once in a DeprecationWarning. After parsing, no code looks anything up in a dict.
@@ -9,6 +13,7 @@ as their current keys and listed once in a DeprecationWarning. After parsing, no
 
 import argparse
 import dataclasses
+import difflib
 import inspect
 import json
 import numbers
@@ -362,9 +367,15 @@ def _parse(cls, data, path: str, ignored: list[str]):
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
     prefix = f"{path}." if path else ""
-    for key in data:
-        if key not in names:
-            raise ValueError(f"unknown config key {prefix}{key}; valid keys here: {', '.join(sorted(names))}")
+    for key in [key for key in data if key not in names]:
+        close = difflib.get_close_matches(key, names, n=1, cutoff=0.8)
+        if close:
+            raise ValueError(f"unknown config key {prefix}{key}; did you mean {prefix}{close[0]}?")
+        if cls not in _LENIENT:
+            raise ValueError(f"unknown config key {prefix}{key} (DeepSpeed refuses it too); valid keys here: "
+                             f"{', '.join(sorted(names))}")
+        ignored.append(_UNKNOWN + prefix + key)
+        data = {k: v for k, v in data.items() if k != key}
     section = "offload" if cls is OffloadConfig else path.split(".")[-1]
     for key in _WITHOUT_EFFECT.get(section, ()):
         if key in data:
@@ -374,6 +385,13 @@ def _parse(cls, data, path: str, ignored: list[str]):
         return cls(**kwargs)
     except TypeError as error:  # a required key is missing
         raise ValueError(f"{path or 'config'}: {error}") from None
+
+
+# Where DeepSpeed 0.19.8 reads the config with dict lookups, a key it does not know passes (its top level,
+# beside optimizer's and scheduler's type and params); its other sections are pydantic models that refuse
+# one. Here a key that passes is reported in one warning, and one close to a known key fails either way.
+_LENIENT = (EngineConfig, OptimizerConfig, SchedulerConfig)
+_UNKNOWN = "\0"  # marks an unknown key among the notes `_parse` collects
 
 
 def _resolve_batch(config: EngineConfig, world_size: int) -> None:
@@ -402,6 +420,15 @@ def _resolve_batch(config: EngineConfig, world_size: int) -> None:
     config.train_batch_size, config.train_micro_batch_size_per_gpu, config.gradient_accumulation_steps = total, micro, accum
 
 
+def _refuse_duplicates(pairs: list) -> dict:
+    """A JSON object's dict; a key given twice fails (DeepSpeed's loader refuses it too)."""
+    keys = [key for key, _ in pairs]
+    repeated = sorted({key for key in keys if keys.count(key) > 1})
+    if repeated:
+        raise ValueError(f"config file repeats the key(s) {', '.join(repeated)}; give each key once")
+    return dict(pairs)
+
+
 def parse_config(config: dict | str | os.PathLike, world_size: int) -> EngineConfig:
     """Parse a config dict or JSON file into an EngineConfig.
 
@@ -413,13 +440,14 @@ def parse_config(config: dict | str | os.PathLike, world_size: int) -> EngineCon
         the parsed config, batch sizes filled in.
 
     Raises:
-        ValueError: an unknown key, a bad value or inconsistent batch sizes, naming the key; a deprecated
+        ValueError: an unknown key where DeepSpeed refuses one (or close to a known key), a bad value,
+            inconsistent batch sizes or a repeated key in a file, naming the key; a deprecated
             key (DeepSpeed's `zero_optimization.cpu_offload`, ...) that disagrees with its current one.
         TypeError: a value of the wrong type, naming the key.
     """
     if isinstance(config, (str, os.PathLike)):
         with open(config) as handle:
-            config = json.load(handle)
+            config = json.load(handle, object_pairs_hook=_refuse_duplicates)
     ignored: list[str] = []
     deprecated: list[str] = []
     if isinstance(config, dict) and isinstance(config.get("zero_optimization"), dict):
@@ -429,8 +457,14 @@ def parse_config(config: dict | str | os.PathLike, world_size: int) -> EngineCon
     if deprecated:
         warnings.warn(f"deprecated config keys, read as their current ones: {'; '.join(deprecated)}",
                       DeprecationWarning, stacklevel=3)
-    if ignored:
-        warnings.warn(f"config keys accepted for compatibility, without effect here: {', '.join(ignored)}", stacklevel=3)
+    unknown = [key[1:] for key in ignored if key.startswith(_UNKNOWN)]
+    without_effect = [key for key in ignored if not key.startswith(_UNKNOWN)]
+    if unknown:
+        warnings.warn(f"config keys this engine does not read, ignored (DeepSpeed passes over keys it does not know there too): "
+                      f"{', '.join(unknown)}", stacklevel=3)
+    if without_effect:
+        warnings.warn(f"config keys accepted for compatibility, without effect here: {', '.join(without_effect)}",
+                      stacklevel=3)
     return parsed
 
 

@@ -24,13 +24,16 @@ from torch.utils._pytree import tree_map
 
 from optim import checkpoint, fsdp
 from optim.buckets import GradientBuckets, release_hooks
-from optim.config import ConfigTypeError, EngineConfig, accepted_params, check_params, parse_config
+from optim.config import EngineConfig, parse_config
 from optim.memory import model_state_bytes
 from optim.monitor import Monitor, StepStats
+from optim.optimizer import ZeroOptimizer, build_optimizer, check_client_optimizer
 from optim.scaler import LossScaler, LossScalerConfig
 from optim.schedulers import build_scheduler
 from optim.zero import FlatGroup, ShardedParam, describe_parameters, shard_placement
-from parallel import data_before_expert, groups_for_name, is_template_copy, local_device, split_group
+from parallel import (
+    data_before_expert, groups_for_name, init_distributed, is_template_copy, local_device, split_group,
+)
 
 __all__ = ["Engine", "initialize"]
 
@@ -52,7 +55,6 @@ class _ScaleGrad(torch.autograd.Function):
 
 
 _WIDE = (torch.float32, torch.float64)
-_FUSED_DEVICES = {"cpu", "cuda", "xpu"}  # where torch's fused Adam and AdamW run (not meta)
 
 
 def _distributed() -> tuple[int, int]:
@@ -61,17 +63,16 @@ def _distributed() -> tuple[int, int]:
     return 1, 0
 
 
-def _param_groups(model: nn.Module, model_parameters, optimizer) -> tuple[list[dict], dict]:
-    """The user's param groups (dicts) and the optimizer defaults to rebuild with, if one was given."""
-    defaults = {}
+def _param_groups(model: nn.Module, model_parameters, optimizer) -> list[dict]:
+    """The user's param groups (dicts): the optimizer's when one was given, else from model_parameters."""
     if isinstance(optimizer, torch.optim.Optimizer):
-        groups, defaults = optimizer.param_groups, dict(optimizer.defaults)
+        groups = optimizer.param_groups
     elif model_parameters is None:
         groups = [{"params": [p for p in model.parameters() if p.requires_grad]}]
     else:
         items = list(model_parameters)
         groups = items if items and isinstance(items[0], dict) else [{"params": items}]
-    return [dict(g, params=list(g["params"])) for g in groups], defaults
+    return [dict(g, params=list(g["params"])) for g in groups]
 
 
 def _split_expert_groups(groups: list[dict], infos: dict) -> list[dict]:
@@ -85,53 +86,12 @@ def _split_expert_groups(groups: list[dict], infos: dict) -> list[dict]:
     return out
 
 
-_OPTIMIZERS = {"adam": torch.optim.AdamW, "adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}
-
-
-def optimizer_params(kind: str) -> set[str]:
-    """The config keys optimizer.params takes for the optimizer type `kind` (Adam, AdamW or SGD, any case)."""
-    kind = kind.lower()
-    classes = (torch.optim.AdamW, torch.optim.Adam) if kind == "adam" else (_OPTIMIZERS[kind],)
-    taken = set().union(*(accepted_params(cls.__init__, {"self", "params"}) for cls in classes))
-    return taken | ({"adam_w_mode", "torch_adam"} if kind == "adam" else set())
-
-
-def _build_optimizer(config: EngineConfig, optimizer, defaults: dict, groups: list[dict]) -> torch.optim.Optimizer:
-    if isinstance(optimizer, torch.optim.Optimizer):
-        return type(optimizer)(groups, **defaults)
-    if callable(optimizer):
-        return optimizer(groups)
-    if config.optimizer is None:
-        raise ValueError("no optimizer: pass optimizer= to initialize or set the config key optimizer")
-    params = dict(config.optimizer.params)
-    kind = config.optimizer.type.lower()
-    if kind == "adam":
-        for key in ("adam_w_mode", "torch_adam"):  # DeepSpeed's own, not torch's: checked here
-            if not isinstance(params.get(key, True), bool):
-                raise ConfigTypeError(f"optimizer.params.{key} for {config.optimizer.type} must be true or false, "
-                                      f"got {type(params[key]).__name__} {params[key]!r}")
-        cls = torch.optim.AdamW if params.pop("adam_w_mode", True) else torch.optim.Adam
-        params.pop("torch_adam", None)
-    else:
-        cls = _OPTIMIZERS[kind]
-    check_params("optimizer.params", config.optimizer.type, cls.__init__, params, {"self", "params"})
-    if "betas" in params:
-        params["betas"] = tuple(params["betas"])
-    if cls is not torch.optim.SGD and "fused" not in params and "foreach" not in params:
-        # torch's fused Adam(W) steps every shard in one pass without temporaries, where its default
-        # steps tensor by tensor. Not SGD: torch 2.13's fused CPU SGD with momentum drifts far from the
-        # loop in bf16/fp16.
-        devices = {p.device.type for group in groups for p in group["params"]}
-        params["fused"] = devices <= _FUSED_DEVICES
-    return cls(groups, **params)
-
-
 class Engine:
     """A model trained with ZeRO, mixed precision and checkpoints; built by `initialize`.
 
     Attributes:
         module: the wrapped model.
-        optimizer: the torch optimizer stepping on this rank's master-weight shards.
+        optimizer: a `ZeroOptimizer` around the torch optimizer stepping on this rank's master-weight shards.
         lr_scheduler: the schedule, or None.
         global_steps: optimizer steps taken (skipped fp16 steps included, as in DeepSpeed).
         micro_steps: micro-batches seen.
@@ -165,8 +125,12 @@ class Engine:
         self._broadcast_initial_state()
         infos = describe_parameters(
             self.module, lambda param: groups_for_name(param.group_name, data_before_expert(param)).ep_rank)
-        user_groups, defaults = _param_groups(self.module, model_parameters, optimizer)
-        groups = [dict(g, params=[infos[id(p)] for p in g["params"]]) for g in _split_expert_groups(user_groups, infos)]
+        if isinstance(optimizer, torch.optim.Optimizer):
+            check_client_optimizer(optimizer)
+        groups = [dict(g, params=[infos[id(p)] for p in g["params"]])
+                  for g in _split_expert_groups(_param_groups(self.module, model_parameters, optimizer), infos)]
+        client_state = {id(info): optimizer.state.get(info.param) for info in infos.values()} \
+            if isinstance(optimizer, torch.optim.Optimizer) else None
         self._fully_shard = self.stage == 3 and dist.is_available() and dist.is_initialized()
         if self._fully_shard:
             fsdp.shard_model(self.module, infos, self.compute_dtype if low is not None else None, self.master_dtype,
@@ -175,9 +139,8 @@ class Engine:
             self.module.to(self.compute_dtype)
         self.units = self._build_units(groups)
         self._buckets = self._build_buckets()
-        opt_groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [u.proxy for u in units]}
-                      for g, units in zip(groups, self._units_by_group)]
-        self.optimizer = _build_optimizer(config, optimizer, defaults, opt_groups)
+        self.optimizer = ZeroOptimizer(build_optimizer(config, optimizer, groups, self._units_by_group, client_state),
+                                       self)
         self.lr_scheduler = self._build_scheduler(lr_scheduler)
         self.scaler = LossScaler(LossScalerConfig(
             static_scale=config.fp16.loss_scale, initial_scale_power=config.fp16.initial_scale_power,
@@ -598,15 +561,35 @@ class Engine:
         self.last_checkpoint = checkpoint.save(self, save_dir, tag, client_state or {}, save_latest)
         return self.last_checkpoint
 
-    def load_checkpoint(self, load_dir: str, tag: str | None = None, load_optimizer_states: bool = True,
-                        load_lr_scheduler_states: bool = True):
-        """Load a checkpoint saved at any world size, ep size and stage (collective).
+    def load_checkpoint(self, load_dir: str, tag: str | None = None, load_module_strict: bool = True,
+                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                        load_module_only: bool = False, custom_load_fn=None):
+        """Load a checkpoint saved at any world size, ep size and stage (collective; DeepSpeed's arguments).
+
+        Args:
+            load_dir, tag: the folder and the checkpoint's tag (default: the one `latest` names).
+            load_module_strict: must be True: every parameter of the model is read, and a checkpoint of
+                another model fails, naming the difference.
+            load_optimizer_states, load_lr_scheduler_states: also read those (the step counters, loss
+                scale and random states are read unless load_module_only).
+            load_module_only: read the model's weights and buffers only (a warm start).
+            custom_load_fn: DeepSpeed's hook for its own module loading; must be None here.
 
         Returns:
             (path, client_state).
+
+        Raises:
+            ValueError: load_module_strict=False or a custom_load_fn.
         """
+        if load_module_strict is not True:
+            raise ValueError(f"load_module_strict must be True, got {load_module_strict!r}; load a partial model "
+                             "with engine.module.load_state_dict(..., strict=False)")
+        if custom_load_fn is not None:
+            raise ValueError("custom_load_fn is not supported: checkpoints are read through "
+                             "torch.distributed.checkpoint; pass custom_load_fn=None")
         self._settle()
-        path, client_state = checkpoint.load(self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states)
+        path, client_state = checkpoint.load(self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states,
+                                             load_module_only)
         self.last_checkpoint = path
         return path, client_state
 
@@ -639,6 +622,14 @@ class Engine:
             dist.barrier()
         return True
 
+    def empty_partition_cache(self) -> None:
+        """Free gathered stage-3 parameters and cached device memory (DeepSpeed's, between training and
+        generation, say): the parameters are sharded again and the allocator's cache is emptied."""
+        if self._fully_shard:
+            fsdp.reshard(self.module)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
     def _settle(self) -> None:
         """Before collectives outside a training step: parameters sharded, units on the live storage."""
         if self._fully_shard:
@@ -656,8 +647,9 @@ def initialize(model: nn.Module = None, model_parameters=None, config=None, trai
                lr_scheduler=None, config_params=None, args=None, **_ignored):
     """Wrap a model for training (DeepSpeed's `deepspeed.initialize`).
 
-    DeepSpeed's other keywords (`mpu`, `dist_init_required`, `collate_fn`, `distributed_port`, ...)
-    are accepted and ignored. Call it with keywords, as DeepSpeed scripts do: `initialize(args=args,
+    As DeepSpeed's does, it joins the process group torchrun describes (unless
+    `dist_init_required=False`) and makes the expert-parallel groups of MoE layers built before that.
+    DeepSpeed's other keywords (`mpu`, `collate_fn`, `distributed_port`, ...) are accepted and ignored. Call it with keywords, as DeepSpeed scripts do: `initialize(args=args,
     model=model, model_parameters=params)`; `model` is the first positional argument here, where
     DeepSpeed's first is `args`.
 
@@ -667,8 +659,9 @@ def initialize(model: nn.Module = None, model_parameters=None, config=None, trai
             welcome; expert parameters are split out of unflagged groups); default all trainable ones.
         config: a DeepSpeed-style dict or JSON path (`config_params` is accepted as its alias).
         training_data: an optional Dataset; a DataLoader over this rank's share is returned.
-        optimizer: a torch optimizer (rebuilt over the engine's shards with the same settings) or a
-            callable taking param groups; else the config's `optimizer`.
+        optimizer: a torch optimizer built over the model's parameters (kept, with its settings,
+            state and hooks, its param groups re-pointed at the engine's shards; see optim.optimizer)
+            or a callable taking param groups; else the config's `optimizer`.
         lr_scheduler: a schedule or a callable taking the optimizer; else the config's `scheduler`.
         config_params: DeepSpeed's older name of `config`, used when `config` is None.
         args: parsed command-line arguments (see `add_config_arguments`); their `deepspeed_config`
@@ -676,7 +669,8 @@ def initialize(model: nn.Module = None, model_parameters=None, config=None, trai
             `config_params` are None.
 
     Returns:
-        (engine, optimizer, dataloader or None, lr_scheduler or None).
+        (engine, optimizer, dataloader or None, lr_scheduler or None); the optimizer is
+        `engine.optimizer`, an `optim.optimizer.ZeroOptimizer` around the torch optimizer.
 
     Raises:
         ValueError, TypeError: a bad config key or value, naming the key, before any training; no
@@ -685,6 +679,9 @@ def initialize(model: nn.Module = None, model_parameters=None, config=None, trai
     if model is None:
         raise TypeError("initialize needs model, an nn.Module, got None")
     config = _config_source(config if config is not None else config_params, args)
+    if _ignored.get("dist_init_required", True) is not False:  # DeepSpeed's initialize joins the group too
+        init_distributed()
+    _make_expert_groups(model)
     world_size, rank = _distributed()
     parsed = parse_config(config, world_size)
     engine = Engine(model, parsed, model_parameters, optimizer, lr_scheduler)
@@ -694,6 +691,15 @@ def initialize(model: nn.Module = None, model_parameters=None, config=None, trai
         loader = torch.utils.data.DataLoader(training_data, batch_size=parsed.train_micro_batch_size_per_gpu,
                                              sampler=sampler, shuffle=sampler is None)
     return engine, engine.optimizer, loader, engine.lr_scheduler
+
+
+def _make_expert_groups(model: nn.Module) -> None:
+    """Let layers built before the process group existed make their expert-parallel groups (DeepSpeed's
+    `set_deepspeed_parallelism`, called on every module that has it, as DeepSpeed's engine does)."""
+    for module in model.modules():
+        make = getattr(module, "set_deepspeed_parallelism", None)
+        if callable(make):
+            make()
 
 
 def _config_source(config, args):

@@ -11,11 +11,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from optim.gathered import register_sharded
 from optim.zero import ParamInfo, shard_placement
 from parallel import data_meshes, groups_for_name
 
 __all__ = ["reshard", "shard_model"]
-
 
 def shard_model(module: nn.Module, infos: dict[int, ParamInfo], compute_dtype: torch.dtype | None,
                 master_dtype: torch.dtype, offload: bool, world_size: int, device: torch.device) -> None:
@@ -59,6 +59,7 @@ def shard_model(module: nn.Module, infos: dict[int, ParamInfo], compute_dtype: t
     for name, param in module.named_parameters():  # fully_shard replaced the parameters
         if name in by_name:
             by_name[name].param = param
+    register_sharded(module)
 
 
 def reshard(module: nn.Module) -> None:

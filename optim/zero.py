@@ -475,3 +475,12 @@ def _cumsum(values):
     for value in values:
         total += value
         yield total
+
+
+def __getattr__(name: str):
+    """`optim.zero.GatheredParameters`, where DeepSpeed scripts look for it (optim.gathered holds it)."""
+    if name == "GatheredParameters":
+        from optim.gathered import GatheredParameters
+
+        return GatheredParameters
+    raise AttributeError(f"module 'optim.zero' has no attribute {name!r}")

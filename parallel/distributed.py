@@ -1,4 +1,4 @@
-"""Distributed initialisation from torchrun's environment."""
+"""Distributed initialisation: torchrun's environment, or DeepSpeed's init_method, rank and world_size."""
 
 import datetime
 import os
@@ -13,30 +13,61 @@ __all__ = ["init_distributed", "local_device"]
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
-def init_distributed(backend: str | None = None, timeout_s: float = 600.0) -> tuple[int, int]:
-    """Join the process group torchrun describes (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT).
+def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool = True, distributed_port: int = 29500,
+                     verbose: bool = True, timeout: datetime.timedelta | None = None, init_method: str | None = None,
+                     dist_init_required: bool | None = None, config=None, rank: int = -1, world_size: int = -1, *,
+                     backend: str | None = None, timeout_s: float = 600.0) -> tuple[int, int]:
+    """Join the process group (DeepSpeed's `deepspeed.init_distributed`, with its arguments).
 
-    Without those variables this is a one-process run and nothing is initialised. Already
-    initialised: nothing changes.
+    The group is the one torchrun describes (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), or the one
+    `init_method` names (a "tcp://host:port" or "file://path" URL) with `rank` and `world_size`.
+    Without either this is a one-process run and nothing is initialised. Already initialised:
+    nothing changes.
 
     Args:
-        backend: "nccl" or "gloo"; default nccl on CUDA, else gloo (see `accelerator_name`).
-        timeout_s: collective timeout, so a hang fails instead of stalling.
+        dist_backend: "nccl" or "gloo"; default nccl on CUDA, else gloo (see `accelerator_name`).
+            `backend` is its other name.
+        auto_mpi_discovery, distributed_port, verbose, config: DeepSpeed's; accepted without effect
+            (there is no MPI discovery here: launch with torchrun, or pass init_method).
+        timeout: the collective timeout, a timedelta (else `timeout_s` seconds), so a hang fails
+            instead of stalling.
+        init_method: a torch.distributed init URL; needs rank and world_size.
+        dist_init_required: False only checks that a group exists; None or True joins one.
+        rank, world_size: this process's rank and the number of processes (-1: from the environment).
 
     Returns:
         (rank, world_size).
 
     Raises:
-        ValueError: some but not all of torchrun's variables are set, or nccl is asked for on the CPU.
+        ValueError: some but not all of torchrun's variables are set, init_method without rank and
+            world_size, both backend names, or nccl asked for on the CPU.
+        RuntimeError: dist_init_required=False and no process group exists.
     """
+    if backend is not None and dist_backend is not None and backend != dist_backend:
+        raise ValueError(f"dist_backend ({dist_backend!r}) and backend ({backend!r}) name the same thing; pass one")
+    backend = dist_backend or backend
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
-    present = [name for name in TORCHRUN_VARIABLES if name in os.environ]
-    if not present:
-        return 0, 1
-    if len(present) != len(TORCHRUN_VARIABLES):
-        missing = [name for name in TORCHRUN_VARIABLES if name not in os.environ]
-        raise ValueError(f"torchrun environment incomplete: {missing} missing; launch with torchrun")
+    if dist_init_required is False:
+        raise RuntimeError("dist_init_required=False, but torch.distributed is not initialised: initialise it first, "
+                           "or leave dist_init_required at None")
+    if timeout is not None and not isinstance(timeout, datetime.timedelta):
+        raise TypeError(f"timeout must be a datetime.timedelta, got {type(timeout).__name__}; timeout_s takes seconds")
+    explicit = {}
+    if init_method is not None and not init_method.startswith("env://"):
+        if isinstance(rank, bool) or not isinstance(rank, int) or isinstance(world_size, bool) \
+                or not isinstance(world_size, int) or world_size < 1 or not 0 <= rank < world_size:
+            raise ValueError(f"init_method {init_method!r} needs rank and world_size with 0 <= rank < world_size, "
+                             f"got rank={rank!r}, world_size={world_size!r}")
+        explicit = {"init_method": init_method, "rank": rank, "world_size": world_size}
+    else:
+        present = [name for name in TORCHRUN_VARIABLES if name in os.environ]
+        if not present:
+            return 0, 1
+        if len(present) != len(TORCHRUN_VARIABLES):
+            missing = [name for name in TORCHRUN_VARIABLES if name not in os.environ]
+            raise ValueError(f"torchrun environment incomplete: {missing} missing; launch with torchrun")
+        explicit = {key: value for key, value in (("rank", rank), ("world_size", world_size)) if value != -1}
     accelerator = accelerator_name()
     backend = backend or ("nccl" if accelerator == "cuda" else "gloo")
     if backend == "nccl" and accelerator == "cpu":
@@ -44,7 +75,7 @@ def init_distributed(backend: str | None = None, timeout_s: float = 600.0) -> tu
                          "CUDA device); use backend 'gloo'")
     if backend == "nccl":
         torch.cuda.set_device(local_device())
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+    dist.init_process_group(backend, timeout=timeout or datetime.timedelta(seconds=timeout_s), **explicit)
     return dist.get_rank(), dist.get_world_size()
 
 

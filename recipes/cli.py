@@ -18,7 +18,7 @@ import warnings
 import torch.distributed as dist
 
 from optim import read_client_state
-from optim.engine import optimizer_params
+from optim.optimizer import optimizer_params
 from optim.schedulers import scheduler_params
 from parallel import accelerator_name
 

@@ -51,6 +51,46 @@ def test_bad_values_name_their_key(extra, error, match):
         _parse(extra)
 
 
+def test_unknown_keys_pass_where_deepspeed_passes_them_with_one_warning(tmp_path):
+    # DeepSpeed 0.19.8 reads its top level and optimizer/scheduler's type and params by dict lookups
+    # (other keys pass unseen) and validates its other sections with pydantic models that forbid extras
+    config = {"train_batch_size": 4, "_comment": "a course's note", "_precision_comment": "fp32 on a CPU",
+              "_zero_comment": "stage 2", "zero_optimization": {"stage": 2}, "flops_profiler": {"enabled": False},
+              "optimizer": {"type": "AdamW", "params": {"lr": 0.01}, "_comment": "AdamW"},
+              "scheduler": {"type": "WarmupLR", "params": {}, "_note": "warm up"}}
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(config))
+    with pytest.warns(UserWarning) as caught:
+        parsed = parse_config(str(path), 1)
+    messages = [str(w.message) for w in caught if "does not read" in str(w.message)]
+    assert messages == ["config keys this engine does not read, ignored (DeepSpeed passes over keys it does not know "
+                        "there too): _comment, _precision_comment, _zero_comment, flops_profiler, optimizer._comment, "
+                        "scheduler._note"]
+    assert parsed.zero_optimization.stage == 2 and parsed.optimizer.params == {"lr": 0.01}
+
+
+@pytest.mark.parametrize("config, match", [
+    ({"train_batch_size": 4, "train_batch_sizee": 8}, r"unknown config key train_batch_sizee; did you mean train_batch_size\?"),
+    ({"train_batch_size": 4, "gradient_acumulation_steps": 2},
+     r"unknown config key gradient_acumulation_steps; did you mean gradient_accumulation_steps\?"),
+    ({"train_batch_size": 4, "optimizer": {"type": "SGD", "parmas": {"lr": 1}}},
+     r"unknown config key optimizer.parmas; did you mean optimizer.params\?"),
+    ({"train_batch_size": 4, "zero_optimization": {"stage": 1, "_comment": "x"}},
+     r"unknown config key zero_optimization._comment \(DeepSpeed refuses it too\); valid keys here: "),
+    ({"train_batch_size": 4, "bf16": {"enabeld": True}}, r"unknown config key bf16.enabeld; did you mean bf16.enabled\?"),
+])
+def test_misspelled_keys_and_unknown_keys_in_strict_sections_fail(config, match):
+    with pytest.raises(ValueError, match=match):
+        parse_config(config, 1)
+
+
+def test_a_config_file_that_repeats_a_key_fails(tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_text('{"train_batch_size": 4, "zero_optimization": {"stage": 1, "stage": 2}}')
+    with pytest.raises(ValueError, match=r"config file repeats the key\(s\) stage; give each key once"):
+        parse_config(str(path), 1)
+
+
 def test_bad_optimizer_and_scheduler_params_fail_before_training():
     with pytest.raises(ValueError, match=r"unknown config key optimizer.params.learning_rate"):
         initialize(Net(), config={"train_batch_size": 4, "optimizer": {"type": "AdamW", "params": {"learning_rate": 1}}})
@@ -165,7 +205,7 @@ def test_tensorboard_dataloader_and_a_given_optimizer(tmp_path):
         model, config={"train_micro_batch_size_per_gpu": 4, "steps_per_print": 1,
                        "tensorboard": {"enabled": True, "output_path": str(tmp_path), "job_name": "run"}},
         training_data=dataset, optimizer=given)
-    assert isinstance(optimizer, torch.optim.SGD) and optimizer.param_groups[0]["momentum"] == 0.5
+    assert optimizer.optimizer is given and optimizer.param_groups[0]["momentum"] == 0.5
     assert [g["moe"] for g in optimizer.param_groups] == [False, True] and scheduler is None
     assert [len(x) for x, _ in loader] == [4, 4, 2]
     for x, y in loader:

@@ -56,3 +56,36 @@ def test_a_deepspeed_style_script_runs_with_renamed_imports(tmp_path, world, ep)
     experts = [k for k in saved if k.startswith("moe.deepspeed_moe.experts.deepspeed_experts.")]
     assert sorted({k.split(".")[4] for k in experts}) == ["0", "1"]  # every expert, by global id, at any ep
     assert not (tmp_path / "out" / "model_rank1.bin").exists()  # rank 0 writes the one file
+
+
+CLIENT_CONFIG = {
+    "_comment": "a course's config: one MoE classifier, fp32 on the CPU", "train_batch_size": 16,
+    "_precision_comment": "fp32: neither fp16 nor bf16", "gradient_clipping": 1.0, "steps_per_print": 100,
+    "_zero_comment": "stage 2 shards gradients and optimizer states", "zero_optimization": {"stage": 2},
+}
+
+
+def _run_client_style(tmp_path, world: int) -> dict:
+    config = tmp_path / f"ds_config_{world}.json"
+    # one process runs the two ranks' micro-batches in turn: the same samples per optimizer step
+    config.write_text(json.dumps({**CLIENT_CONFIG, "gradient_accumulation_steps": 2 // world}))
+    out = tmp_path / f"out{world}"
+    script = ["-m", "tests.recipes.deepspeed_client_style", "--deepspeed_config", str(config), "--ep-world-size",
+              str(world), "--out", str(out)]
+    launch = [sys.executable] if world == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                                 "--nproc_per_node", str(world)]
+    done = subprocess.run(launch + script, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    warned = [line for line in done.stderr.splitlines() if "does not read, ignored" in line]
+    assert len(warned) == world and warned[0].endswith(": _comment, _precision_comment, _zero_comment")
+    return json.loads((out / "losses.json").read_text())
+
+
+def test_a_script_with_its_own_adamw_its_model_built_first_and_comment_keys_runs_unchanged(tmp_path):
+    """The model is built before init_distributed (its MoE layer with ep_size 2 under torchrun), the
+    script's AdamW is passed to initialize, the JSON has comment keys; one process and two ranks with
+    expert parallelism print the same losses (DeepSpeed 0.19.8 printed the same six digits too)."""
+    one, two = _run_client_style(tmp_path, 1), _run_client_style(tmp_path, 2)
+    assert (one["world"], two["world"]) == (1, 2) and one["optimizer"] == two["optimizer"] == "AdamW"
+    torch.testing.assert_close(two["losses"], one["losses"], rtol=1e-5, atol=0)
+    assert sum(one["losses"][-3:]) < sum(one["losses"][:3])

@@ -1,0 +1,238 @@
+"""The optimizer the engine steps: built from the config, or the user's own, and DeepSpeed's wrapper view.
+
+The engine's optimizer steps on the ZeRO units' proxies (`optim.zero`): flat shards of each param
+group's master weights. It comes from one of three places:
+
+- the config's `optimizer` block (Adam, AdamW or SGD, DeepSpeed's key names);
+- a callable the user passes, called with the engine's param groups;
+- a `torch.optim.Optimizer` the user built over the model's parameters. It is taken as it is, not
+  rebuilt: its param groups are re-pointed at the proxies (each group's settings kept, expert
+  parameters split into their own groups) and any state it holds is laid out like the proxies. Its
+  hooks, its class and any scheduler built on it stay valid. Flat shards suit optimizers whose update
+  is elementwise (every `torch.optim` class but the four that `_UNFIT` names, and custom subclasses
+  written the same way).
+
+`ZeroOptimizer` is what `initialize` returns and `engine.optimizer` is: a torch `Optimizer` that
+forwards to the optimizer above and answers what scripts read of DeepSpeed's ZeRO wrapper
+(`.optimizer`, `.loss_scale`, `.cur_scale`).
+"""
+
+from collections import defaultdict
+
+import torch
+
+from optim.config import ConfigTypeError, EngineConfig, accepted_params, check_params
+
+__all__ = ["ZeroOptimizer", "build_optimizer", "optimizer_params"]
+
+_OPTIMIZERS = {"adam": torch.optim.AdamW, "adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}
+_FUSED_DEVICES = {"cpu", "cuda", "xpu"}  # where torch's fused Adam and AdamW run (not meta)
+
+# torch.optim classes whose step cannot run on flat shards, and why.
+_UNFIT = {
+    "LBFGS": "needs a closure that re-evaluates the loss at each step, and engine.step() takes none",
+    "SparseAdam": "steps on sparse gradients only, and the engine reduces dense ones",
+    "Adafactor": "factors each parameter's second moment by its rows and columns and scales by its RMS, "
+                 "and the engine steps on flat shards that mix parameters",
+    "Muon": "orthogonalises each 2-D parameter as a matrix, and the engine steps on flat shards that mix parameters",
+}
+
+
+def optimizer_params(kind: str) -> set[str]:
+    """The config keys optimizer.params takes for the optimizer type `kind` (Adam, AdamW or SGD, any case)."""
+    kind = kind.lower()
+    classes = (torch.optim.AdamW, torch.optim.Adam) if kind == "adam" else (_OPTIMIZERS[kind],)
+    taken = set().union(*(accepted_params(cls.__init__, {"self", "params"}) for cls in classes))
+    return taken | ({"adam_w_mode", "torch_adam"} if kind == "adam" else set())
+
+
+def check_client_optimizer(optimizer) -> None:
+    """Refuse, before any work, a torch optimizer whose step cannot run on the engine's flat shards.
+
+    Raises:
+        ValueError: naming the class and the reason.
+    """
+    for cls in type(optimizer).__mro__:
+        if cls.__module__.startswith("torch.optim") and cls.__name__ in _UNFIT:
+            raise ValueError(f"optimizer {type(optimizer).__name__} cannot be used with the engine: it "
+                             f"{_UNFIT[cls.__name__]}; use an elementwise optimizer (AdamW, Adam, SGD, RMSprop, ...)")
+
+
+def build_optimizer(config: EngineConfig, optimizer, groups: list[dict], units_by_group: list[list],
+                    client_state: dict | None = None) -> torch.optim.Optimizer:
+    """The torch optimizer stepping on the units' proxies.
+
+    Args:
+        config: the engine config (its `optimizer` block is read when `optimizer` is None).
+        optimizer: the user's torch optimizer, a callable taking param groups, or None.
+        groups: the engine's param groups: the user's settings, `params` a list of ParamInfo.
+        units_by_group: the units holding each group's parameters.
+        client_state: the user's optimizer's state by `id(ParamInfo)`, read before the engine moved
+            or sharded the parameters.
+    """
+    proxy_groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [u.proxy for u in units]}
+                    for g, units in zip(groups, units_by_group)]
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return _adopt(optimizer, proxy_groups, [u for units in units_by_group for u in units], client_state or {})
+    if callable(optimizer):
+        return optimizer(proxy_groups)
+    if config.optimizer is None:
+        raise ValueError("no optimizer: pass optimizer= to initialize or set the config key optimizer")
+    return _from_config(config, proxy_groups)
+
+
+def _from_config(config: EngineConfig, groups: list[dict]) -> torch.optim.Optimizer:
+    params = dict(config.optimizer.params)
+    kind = config.optimizer.type.lower()
+    if kind == "adam":
+        for key in ("adam_w_mode", "torch_adam"):  # DeepSpeed's own, not torch's: checked here
+            if not isinstance(params.get(key, True), bool):
+                raise ConfigTypeError(f"optimizer.params.{key} for {config.optimizer.type} must be true or false, "
+                                      f"got {type(params[key]).__name__} {params[key]!r}")
+        cls = torch.optim.AdamW if params.pop("adam_w_mode", True) else torch.optim.Adam
+        params.pop("torch_adam", None)
+    else:
+        cls = _OPTIMIZERS[kind]
+    check_params("optimizer.params", config.optimizer.type, cls.__init__, params, {"self", "params"})
+    if "betas" in params:
+        params["betas"] = tuple(params["betas"])
+    if cls is not torch.optim.SGD and "fused" not in params and "foreach" not in params:
+        # torch's fused Adam(W) steps every shard in one pass without temporaries, where its default
+        # steps tensor by tensor. Not SGD: torch 2.13's fused CPU SGD with momentum drifts far from the
+        # loop in bf16/fp16.
+        devices = {p.device.type for group in groups for p in group["params"]}
+        params["fused"] = devices <= _FUSED_DEVICES
+    return cls(groups, **params)
+
+
+def _adopt(optimizer: torch.optim.Optimizer, groups: list[dict], units: list, old_state: dict
+           ) -> torch.optim.Optimizer:
+    """The user's optimizer, its param groups replaced by `groups` and its state laid out like the proxies."""
+    optimizer.param_groups = []
+    optimizer.state = defaultdict(dict)
+    for group in groups:
+        optimizer.add_param_group(group)
+    for unit in units:
+        state = _unit_state(unit, old_state)
+        if state:
+            optimizer.state[unit.proxy] = state
+    return optimizer
+
+
+def _unit_state(unit, old_state) -> dict:
+    """The state the user's optimizer held for a unit's parameters, as one state for its proxy.
+
+    A tensor shaped like its parameter is elementwise: its pieces are laid out as the unit lays out
+    the weights. Anything else (a step count) must be equal for every parameter of the unit.
+
+    Raises:
+        ValueError: some of the unit's parameters have state and others none, or their counters differ.
+    """
+    held = [(info, old_state.get(id(info))) for info in unit.infos]
+    with_state = [(info, state) for info, state in held if state]
+    if not with_state:
+        return {}
+    if len(with_state) != len(held):
+        bare = next(info.name for info, state in held if not state)
+        raise ValueError(f"the optimizer holds state for some parameters of a group but none for {bare}; "
+                         "step it on every parameter of a group, or pass it before its first step")
+    merged = {}
+    for name, first in with_state[0][1].items():
+        if _elementwise(first, with_state[0][0]):
+            dtype = unit.proxy.dtype if unit.proxy.numel() else unit.weights.dtype
+            value = torch.zeros(unit.weights.shape, dtype=dtype, device=unit.weights.device)
+            by_info = {id(info): state[name] for info, state in with_state}
+            for info, offsets, view in unit.boxes(value):
+                piece = by_info[id(info)][tuple(slice(o, o + s) for o, s in zip(offsets, view.shape))]
+                view.copy_(piece)
+        else:
+            for info, state in with_state[1:]:
+                if not _same(state.get(name), first):
+                    raise ValueError(f"optimizer state {name!r} differs between {with_state[0][0].name} and "
+                                     f"{info.name}, which the engine steps as one shard; pass the optimizer "
+                                     "before its first step")
+            value = first.clone() if isinstance(first, torch.Tensor) else first
+        merged[name] = value
+    return merged
+
+
+def _elementwise(value, info) -> bool:
+    return isinstance(value, torch.Tensor) and value.dim() >= 1 and tuple(value.shape) == tuple(info.param.shape)
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return a.shape == b.shape and bool(torch.equal(a.cpu(), b.cpu()))
+    return a == b
+
+
+class ZeroOptimizer(torch.optim.Optimizer):
+    """The engine's optimizer as scripts see it (DeepSpeed's ZeRO optimizer wrapper).
+
+    It forwards to the torch optimizer that steps on this rank's shards: `param_groups`, `state`,
+    `defaults`, `state_dict()`, `load_state_dict()`, `step()` and its hooks are that optimizer's, so a
+    torch or DeepSpeed learning-rate schedule built on either steps the same groups.
+
+    Attributes:
+        optimizer: the torch optimizer (the user's own when one was passed to `initialize`).
+        loss_scale, cur_scale: the fp16 loss scale (1.0 without fp16).
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, engine):  # no super().__init__: nothing of its own
+        self.optimizer = optimizer
+        self._engine = engine
+
+    param_groups = property(lambda self: self.optimizer.param_groups,
+                            lambda self, value: setattr(self.optimizer, "param_groups", value))
+    state = property(lambda self: self.optimizer.state, lambda self, value: setattr(self.optimizer, "state", value))
+    defaults = property(lambda self: self.optimizer.defaults,
+                        lambda self, value: setattr(self.optimizer, "defaults", value))
+
+    @property
+    def loss_scale(self) -> float:
+        return self._engine.loss_scale
+
+    cur_scale = loss_scale
+
+    def step(self, closure=None):
+        return self.optimizer.step(closure)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the engine's accumulated gradients (as `engine.zero_grad()`)."""
+        self._engine.zero_grad()
+
+    def state_dict(self) -> dict:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.optimizer.load_state_dict(state_dict)
+
+    def add_param_group(self, param_group: dict) -> None:
+        raise RuntimeError("the engine's param groups are fixed at initialize; pass every group to initialize")
+
+    def register_step_pre_hook(self, hook):
+        return self.optimizer.register_step_pre_hook(hook)
+
+    def register_step_post_hook(self, hook):
+        return self.optimizer.register_step_post_hook(hook)
+
+    def register_state_dict_pre_hook(self, hook, prepend: bool = False):
+        return self.optimizer.register_state_dict_pre_hook(hook, prepend)
+
+    def register_state_dict_post_hook(self, hook, prepend: bool = False):
+        return self.optimizer.register_state_dict_post_hook(hook, prepend)
+
+    def register_load_state_dict_pre_hook(self, hook, prepend: bool = False):
+        return self.optimizer.register_load_state_dict_pre_hook(hook, prepend)
+
+    def register_load_state_dict_post_hook(self, hook, prepend: bool = False):
+        return self.optimizer.register_load_state_dict_post_hook(hook, prepend)
+
+    def __getstate__(self):
+        return self.__dict__
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+
+    def __repr__(self) -> str:
+        return f"ZeroOptimizer({self.optimizer!r})"

@@ -1,0 +1,139 @@
+"""DeepSpeed's `deepspeed.comm` surface over torch.distributed, so `import deepspeed.comm as dist` becomes
+`import parallel.comm as dist`.
+
+Scripts, MoE integrations and DeepSpeed's own MoE tests call `dist.get_rank()`, `dist.barrier()`,
+`dist.all_reduce(t)` and friends through that module. Here each is torch.distributed's function of
+the same name, with one difference: without a process group (a one-process run, which this project
+runs without torchrun) the queries answer for one process (rank 0, world size 1) and the collectives
+act as they would on a group of one (all_reduce, broadcast and barrier leave the tensor as it is,
+all_gather copies it) instead of raising.
+"""
+
+import os
+
+import torch
+import torch.distributed as _dist
+
+from parallel.distributed import init_distributed
+
+__all__ = [
+    "ReduceOp", "all_gather", "all_gather_into_tensor", "all_reduce", "all_to_all_single", "barrier", "broadcast",
+    "destroy_process_group", "get_global_rank", "get_local_rank", "get_rank", "get_world_group", "get_world_size",
+    "init_distributed", "is_available", "is_initialized", "new_group", "recv", "reduce", "reduce_scatter_tensor",
+    "send",
+]
+
+ReduceOp = _dist.ReduceOp
+
+
+def is_available() -> bool:
+    return _dist.is_available()
+
+
+def is_initialized() -> bool:
+    """Whether a process group exists."""
+    return _dist.is_available() and _dist.is_initialized()
+
+
+def get_rank(group=None) -> int:
+    """This process's rank in `group` (the world by default); 0 without a process group."""
+    return _dist.get_rank(group) if is_initialized() else 0
+
+
+def get_world_size(group=None) -> int:
+    """The number of processes in `group` (the world by default); 1 without a process group."""
+    return _dist.get_world_size(group) if is_initialized() else 1
+
+
+def get_local_rank() -> int:
+    """This process's rank on its node: LOCAL_RANK, 0 without it."""
+    return int(os.environ.get("LOCAL_RANK", 0))
+
+
+def get_global_rank(group, group_rank: int) -> int:
+    """The world rank of `group`'s rank `group_rank`; the rank itself without a process group."""
+    return _dist.get_global_rank(group, group_rank) if is_initialized() else group_rank
+
+
+def get_world_group():
+    return _dist.group.WORLD if is_initialized() else None
+
+
+def new_group(ranks=None, **kwargs):
+    return _dist.new_group(ranks, **kwargs)
+
+
+def destroy_process_group(group=None) -> None:
+    if is_initialized():
+        _dist.destroy_process_group(group)
+
+
+def barrier(group=None, async_op: bool = False, device_ids=None):
+    if is_initialized():
+        return _dist.barrier(group, async_op, device_ids)
+    return None
+
+
+def all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None, async_op: bool = False):
+    """Reduce `tensor` in place over `group`; alone, the tensor is already the result."""
+    if is_initialized():
+        return _dist.all_reduce(tensor, op, group, async_op)
+    return None
+
+
+def reduce(tensor: torch.Tensor, dst: int, op=ReduceOp.SUM, group=None, async_op: bool = False):
+    if is_initialized():
+        return _dist.reduce(tensor, dst, op, group, async_op)
+    return None
+
+
+def broadcast(tensor: torch.Tensor, src: int, group=None, async_op: bool = False):
+    if is_initialized():
+        return _dist.broadcast(tensor, src, group, async_op)
+    return None
+
+
+def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor, group=None, async_op: bool = False):
+    """Gather `tensor` from every rank into `tensor_list`; alone, its one entry is a copy of `tensor`."""
+    if is_initialized():
+        return _dist.all_gather(tensor_list, tensor, group, async_op)
+    _one_process("all_gather", len(tensor_list))
+    tensor_list[0].copy_(tensor)
+    return None
+
+
+def all_gather_into_tensor(output: torch.Tensor, tensor: torch.Tensor, group=None, async_op: bool = False):
+    if is_initialized():
+        return _dist.all_gather_into_tensor(output, tensor, group, async_op)
+    output.copy_(tensor.reshape(output.shape))
+    return None
+
+
+def reduce_scatter_tensor(output: torch.Tensor, tensor: torch.Tensor, op=ReduceOp.SUM, group=None,
+                          async_op: bool = False):
+    if is_initialized():
+        return _dist.reduce_scatter_tensor(output, tensor, op, group, async_op)
+    output.copy_(tensor.reshape(output.shape))
+    return None
+
+
+def all_to_all_single(output: torch.Tensor, tensor: torch.Tensor, output_split_sizes=None, input_split_sizes=None,
+                      group=None, async_op: bool = False):
+    if is_initialized():
+        return _dist.all_to_all_single(output, tensor, output_split_sizes, input_split_sizes, group, async_op)
+    output.copy_(tensor)
+    return None
+
+
+def send(tensor: torch.Tensor, dst: int, group=None, tag: int = 0):
+    return _dist.send(tensor, dst, group, tag)
+
+
+def recv(tensor: torch.Tensor, src: int | None = None, group=None, tag: int = 0):
+    return _dist.recv(tensor, src, group, tag)
+
+
+def _one_process(name: str, entries: int) -> None:
+    if entries != 1:
+        raise ValueError(f"{name} without a process group gathers from one rank: tensor_list must have 1 entry, "
+                         f"got {entries}")

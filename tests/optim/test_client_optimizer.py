@@ -1,0 +1,201 @@
+"""A torch optimizer the user built, passed to `initialize`: taken as it is, at every ZeRO stage.
+
+Each check compares the engine with the same optimizer class stepping the same model without the
+engine (the one-process reference of tests.optim.models), fp32, within RTOL/ATOL. Runs in one
+process but for the 2-process stage 1-3 test at the end.
+"""
+
+import inspect
+
+import pytest
+import torch
+from torch import nn
+
+from optim import initialize
+from parallel import reset_groups
+from tests.distributed import run_distributed
+from tests.optim.models import Net, batch, config, engine_steps, loss_of, reference_steps
+
+RTOL, ATOL = 1e-5, 1e-6
+LR = 0.01
+
+# every torch.optim class that takes params and lr, but the four the engine refuses (test below)
+REFUSED = {"LBFGS", "SparseAdam", "Adafactor", "Muon"}
+CLASSES = sorted(name for name, cls in vars(torch.optim).items()
+                 if inspect.isclass(cls) and issubclass(cls, torch.optim.Optimizer) and cls is not torch.optim.Optimizer
+                 and "lr" in inspect.signature(cls.__init__).parameters and name not in REFUSED)
+
+
+def _groups(model):
+    """Two groups with their own settings (the router's weight decayed less), as scripts pass them."""
+    router = [p for n, p in model.named_parameters() if "gate" in n]
+    rest = [p for n, p in model.named_parameters() if "gate" not in n]
+    return [{"params": rest}, {"params": router, "lr": LR / 2}]
+
+
+def _reference(cls, steps=2, accumulation=2, clip=0.0, **kwargs):
+    model = Net()
+    optimizer = cls(_groups(model), lr=LR, **kwargs)
+    reference_steps(model, optimizer, steps, 1, accumulation, clip)
+    return model
+
+
+def _engine(cls, stage, steps=2, accumulation=2, clip=0.0, **kwargs):
+    model = Net()
+    optimizer = cls(_groups(model), lr=LR, **kwargs)
+    engine, returned, _, _ = initialize(model=model, optimizer=optimizer,
+                                        config=config(stage, accumulation, clip, optimizer=None))
+    assert returned is engine.optimizer and returned.optimizer is optimizer
+    engine_steps(engine, steps, 0, accumulation)
+    return engine
+
+
+def _assert_same_model(engine, reference):
+    got = dict(engine.module.named_parameters())
+    for name, expected in reference.named_parameters():
+        torch.testing.assert_close(got[name].detach(), expected.detach(), rtol=RTOL, atol=ATOL, msg=name)
+
+
+@pytest.mark.parametrize("name", CLASSES)
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_every_torch_optimizer_steps_as_without_the_engine(name, stage):
+    cls = getattr(torch.optim, name)
+    _assert_same_model(_engine(cls, stage), _reference(cls))
+
+
+def test_the_client_optimizer_keeps_its_settings_and_splits_expert_groups():
+    model = Net()
+    optimizer = torch.optim.AdamW(_groups(model), lr=LR, betas=(0.8, 0.9), weight_decay=0.3)
+    engine, *_ = initialize(model=model, optimizer=optimizer, config=config(2, clip=0.0, optimizer=None))
+    groups = optimizer.param_groups
+    assert [g["lr"] for g in groups if not g["moe"]] == [LR, LR / 2]  # dense: the two user groups
+    assert all(g["betas"] == (0.8, 0.9) and g["weight_decay"] == 0.3 for g in groups)
+    assert [g["lr"] for g in groups if g["moe"]] == [LR]  # the experts, out of the first group
+    assert engine.optimizer.param_groups is groups and engine.get_lr() == [LR, LR, LR / 2]
+
+
+def test_adamw_on_torch_2_13_no_longer_fails_on_its_own_defaults():
+    # AdamW's defaults list decoupled_weight_decay, which its constructor does not take: rebuilding
+    # the optimizer from its defaults failed; taking it as it is cannot
+    model = Net()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    engine, *_ = initialize(model=model, optimizer=optimizer, config=config(0, optimizer=None))
+    engine_steps(engine, 1, 0, 2)
+    assert engine.global_steps == 1
+
+
+def test_state_taken_before_the_engine_is_kept():
+    """One step without the engine, then one with it: equal to two steps without it."""
+    reference = _reference(torch.optim.Adam, steps=2)
+    model = Net()
+    optimizer = torch.optim.Adam(_groups(model), lr=LR)
+    reference_steps(model, optimizer, 1, 1, 2, 0.0)
+    engine, *_ = initialize(model=model, optimizer=optimizer, config=config(2, clip=0.0, optimizer=None))
+    assert all(int(state["step"]) == 1 for state in optimizer.state.values())
+    engine_steps(engine, 1, 0, 2, first_step=1)
+    _assert_same_model(engine, reference)
+
+
+def test_adagrad_state_made_in_its_constructor_is_laid_out_like_the_shards():
+    # Adagrad fills its accumulators in __init__, so even a fresh one holds state
+    model = Net()
+    optimizer = torch.optim.Adagrad(_groups(model), lr=LR, initial_accumulator_value=0.5)
+    engine, *_ = initialize(model=model, optimizer=optimizer, config=config(1, optimizer=None))
+    for unit in engine.units:
+        assert torch.equal(optimizer.state[unit.proxy]["sum"], torch.full_like(unit.weights, 0.5))
+
+
+def test_a_scheduler_built_on_the_client_optimizer_before_initialize_drives_the_engine():
+    reference = _reference(torch.optim.SGD, momentum=0.9)
+    model = Net()
+    optimizer = torch.optim.SGD(_groups(model), lr=LR, momentum=0.9)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    engine, _, _, returned = initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
+                                        config=config(2, clip=0.0, optimizer=None))
+    assert returned is scheduler
+    engine_steps(engine, 1, 0, 2)
+    assert engine.get_lr() == [LR / 2, LR / 2, LR / 4]
+    model = Net()  # the reference with the same schedule
+    reference_optimizer = torch.optim.SGD(_groups(model), lr=LR, momentum=0.9)
+    reference_scheduler = torch.optim.lr_scheduler.StepLR(reference_optimizer, step_size=1, gamma=0.5)
+    for step in range(2):
+        reference_steps(model, reference_optimizer, 1, 1, 2, 0.0, first_step=step)
+        reference_scheduler.step()
+    engine_steps(engine, 1, 0, 2, first_step=1)
+    _assert_same_model(engine, model)
+    del reference
+
+
+class SignSGD(torch.optim.Optimizer):
+    """A custom optimizer: p -= lr * sign(grad), with a per-parameter step counter."""
+
+    def __init__(self, params, lr):
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad.sign(), alpha=-group["lr"])
+                    self.state[p]["step"] = self.state[p].get("step", 0) + 1
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_a_custom_optimizer_subclass(stage):
+    _assert_same_model(_engine(SignSGD, stage), _reference(SignSGD))
+
+
+def test_hooks_registered_on_the_client_optimizer_still_fire():
+    model = Net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    calls = []
+    optimizer.register_step_post_hook(lambda opt, args, kwargs: calls.append(opt))
+    engine, wrapper, _, _ = initialize(model=model, optimizer=optimizer, config=config(0, optimizer=None))
+    wrapper.register_step_pre_hook(lambda opt, args, kwargs: calls.append("pre"))
+    engine_steps(engine, 1, 0, 2)
+    assert calls == ["pre", optimizer]
+
+
+@pytest.mark.parametrize("name", sorted(REFUSED))
+def test_optimizers_that_cannot_step_on_flat_shards_are_refused_by_name(name):
+    model = nn.Linear(4, 4, bias=False)  # Muon takes 2-D parameters only
+    optimizer = getattr(torch.optim, name)(model.parameters(), lr=LR)
+    with pytest.raises(ValueError, match=rf"optimizer {name} cannot be used with the engine: it .*; use an elementwise"):
+        initialize(model=model, optimizer=optimizer, config=config(0, optimizer=None))
+
+
+def test_the_wrapper_answers_what_scripts_read_of_deepspeeds():
+    model = Net()
+    engine, wrapper, _, _ = initialize(model=model, config=config(0, fp16={"enabled": True, "initial_scale_power": 8}))
+    assert isinstance(wrapper, torch.optim.Optimizer) and isinstance(wrapper.optimizer, torch.optim.AdamW)
+    assert wrapper.loss_scale == wrapper.cur_scale == 256.0 == engine.loss_scale
+    assert wrapper.state_dict()["param_groups"] == wrapper.optimizer.state_dict()["param_groups"]
+    assert wrapper.param_groups is wrapper.optimizer.param_groups
+    engine, wrapper, _, _ = initialize(model=Net(), config=config(0))
+    assert wrapper.loss_scale == wrapper.cur_scale == 1.0
+    scheduler = torch.optim.lr_scheduler.LambdaLR(wrapper, lambda step: 0.5)  # a torch schedule on the wrapper
+    assert engine.get_lr() == [0.005, 0.005]
+    engine_steps(engine, 1, 0, 2)
+    scheduler.step()
+
+
+def _distributed_client(rank, world, stage, name):
+    reset_groups()
+    cls = getattr(torch.optim, name)
+    model = Net(ep_size=2)
+    optimizer = cls(_groups(model), lr=LR)
+    engine, *_ = initialize(model=model, optimizer=optimizer, config=config(stage, clip=0.0, optimizer=None))
+    engine_steps(engine, 2, rank, 2)
+    state = engine.consolidated_state_dict()
+    if rank == 0:
+        model = Net()
+        reference = cls(_groups(model), lr=LR)
+        reference_steps(model, reference, 2, world, 2, 0.0)
+        for key, expected in model.state_dict().items():
+            torch.testing.assert_close(state[key], expected, rtol=RTOL, atol=ATOL, msg=key)
+
+
+@pytest.mark.parametrize("stage,name", [(1, "Adagrad"), (2, "AdamW"), (3, "RMSprop")])
+def test_client_optimizer_on_two_ranks_with_expert_parallelism(stage, name):
+    run_distributed(_distributed_client, 2, stage, name, timeout_s=180)
