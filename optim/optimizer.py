@@ -112,14 +112,18 @@ def _adopt(optimizer: torch.optim.Optimizer, groups: list[dict], units: list, ol
     optimizer.state = defaultdict(dict)
     for group in groups:
         optimizer.add_param_group(group)
+    group_of = {id(p): group for group in optimizer.param_groups for p in group["params"]}
     for unit in units:
-        state = _unit_state(unit, old_state)
+        group = group_of[id(unit.proxy)]
+        # fused and capturable steps keep their counters beside the weights, the others on the host
+        counters = unit.weights.device if group.get("fused") or group.get("capturable") else None
+        state = _unit_state(unit, old_state, counters)
         if state:
             optimizer.state[unit.proxy] = state
     return optimizer
 
 
-def _unit_state(unit, old_state) -> dict:
+def _unit_state(unit, old_state, counters: torch.device | None) -> dict:
     """The state the user's optimizer held for a unit's parameters, as one state for its proxy.
 
     A tensor shaped like its parameter is elementwise: its pieces are laid out as the unit lays out
@@ -152,6 +156,8 @@ def _unit_state(unit, old_state) -> dict:
                                      f"{info.name}, which the engine steps as one shard; pass the optimizer "
                                      "before its first step")
             value = first.clone() if isinstance(first, torch.Tensor) else first
+            if isinstance(value, torch.Tensor) and counters is not None:
+                value = value.to(counters)
         merged[name] = value
     return merged
 

@@ -193,3 +193,23 @@ def test_the_engine_answers_deepspeeds_queries_on_the_device(monkeypatch):
             boundaries.append(engine.is_gradient_accumulation_boundary())
             gpt.train_step(engine, cfg, tokens[:, :-1], tokens[:, 1:])
         assert boundaries == [False, True] and (engine.global_steps, engine.micro_steps) == (1, 2)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_a_client_optimizer_steps_on_the_device(monkeypatch, stage):
+    """A script's own AdamW over the MoE param groups (built on the device), taken by the engine at world 8, ep 2."""
+    cfg = gpt.TrainConfig(n_layer=2, n_head=2, n_embd=32, ffn=64, seq_len=16, batch_size=2, num_experts=8,
+                          top_k=2, ep_world_size=2, stage=stage, dtype="bf16", steps=10)
+    with simulated_world(monkeypatch, 8, 3, rows_per_rank=cfg.batch_size * cfg.seq_len * cfg.top_k):
+        with META:
+            model = GPT(gpt.model_config(cfg))
+        groups = split_params_into_different_moe_groups_for_optimizer({"params": list(model.parameters()), "name": "dense"})
+        client = torch.optim.AdamW(groups, lr=1e-3, betas=(0.9, 0.95))
+        config = engine_config(gpt.engine_fragments(cfg), set(), "")
+        del config["optimizer"]
+        engine, optimizer, _, _ = initialize(model, optimizer=client, config=config)
+        assert optimizer.optimizer is client and all(p.device == META for g in client.param_groups for p in g["params"])
+        assert {g["betas"] for g in client.param_groups} == {(0.9, 0.95)} and any(g["moe"] for g in client.param_groups)
+        tokens = torch.randint(256, (cfg.batch_size, cfg.seq_len + 1))
+        gpt.train_step(engine, cfg, tokens[:, :-1], tokens[:, 1:])
+        assert engine.global_steps == 1 and all(client.state[p] for g in client.param_groups for p in g["params"])
