@@ -67,8 +67,8 @@ def expert_groups(ep_size: int, use_data_before_expert_parallel: bool = False) -
         return _CACHE[key]
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError(
-            f"ep_size ({ep_size}) > 1 needs torch.distributed: launch with torchrun and call "
-            "parallel.init_distributed() before building the model"
+            f"ep_size ({ep_size}) > 1 needs torch.distributed: launch with torchrun (optim.initialize, or an "
+            "MoE layer's first forward, then joins the process group) or call parallel.init_distributed()"
         )
     world, rank = dist.get_world_size(), dist.get_rank()
     ep_lists, edp_lists = expert_layout(world, ep_size, use_data_before_expert_parallel)
