@@ -294,6 +294,8 @@ class MoE(nn.Module):
         self.deepspeed_moe = MOELayer(
             gate, experts, self.expert_group_name, ep_size, self.num_local_experts, expert_layout, ep_group, exchange
         )
+        # the experts' versions as built: a write before the groups exist would be lost to their re-initialisation
+        self._built_versions = [p._version for p in experts.parameters()] if self._template else None
         if use_residual:
             self.mlp = expert
             self.coefficient = nn.Linear(hidden_size, 2)
@@ -315,7 +317,8 @@ class MoE(nn.Module):
                 layer's own `use_data_before_expert_parallel`.
 
         Raises:
-            RuntimeError: torch.distributed is not initialised.
+            RuntimeError: torch.distributed is not initialised; or, with expert_init="per_expert_seed", the
+                experts' weights were written since the layer was built on a rank that holds other experts.
             ValueError: ep_size does not divide the world size, or the layout differs from the layer's.
         """
         if not self._pending:
@@ -326,8 +329,13 @@ class MoE(nn.Module):
                              f"the layer's use_data_before_expert_parallel ({layout}); the experts were tagged with it")
         groups = expert_groups(self.ep_size, layout)
         self.ep_rank = groups.ep_rank
+        experts = self.deepspeed_moe.experts
+        if self._template and self.ep_rank and [p._version for p in experts.parameters()] != self._built_versions:
+            raise RuntimeError("the experts' weights were written before the expert-parallel groups existed, and "
+                               "expert_init='per_expert_seed' re-initialises them for this rank's global experts: "
+                               "load weights after optim.initialize (or the first forward)")
         expert, seed = self._template or (None, None)
-        self.deepspeed_moe.experts.place(self.ep_rank * self.num_local_experts, expert, seed)
+        experts.place(self.ep_rank * self.num_local_experts, expert, seed)
         self.deepspeed_moe.ep_group = self.deepspeed_moe.gate.ep_group = groups.ep_group
         self._pending, self._template = False, None
 

@@ -5,7 +5,8 @@ raises with the key's full path (`zero_optimization.stage`). Unknown keys are tr
 0.19.8 treats them: at the top level and beside `optimizer`'s and `scheduler`'s `type` and `params`
 (comment keys such as `_comment`) they are ignored and listed once in a warning; inside the other
 sections they fail; a key close to a known one (`train_batch_sizee`) fails everywhere, naming the known
-key. A JSON file that repeats a key fails, as DeepSpeed's loader does. Keys DeepSpeed knows
+key. DeepSpeed's other top-level keys (`activation_checkpointing`, `sparse_gradients`, ...) are accepted
+without effect, and its older `bfloat16` is read as `bf16`. A JSON file that repeats a key fails, as DeepSpeed's loader does. Keys DeepSpeed knows
 that change nothing here (bucket sizes, overlap switches, ...) are accepted and listed once in a
 warning; DeepSpeed's deprecated spellings it still reads (`zero_optimization.cpu_offload`, ...) are read
 as their current keys and listed once in a DeprecationWarning. After parsing, no code looks anything up in a dict.
@@ -197,7 +198,7 @@ class EngineConfig:
     tensorboard: TensorBoardConfig = field(default_factory=TensorBoardConfig)
     prescale_gradients: bool = False
     gradient_predivide_factor: float = 1.0
-    zero_allow_untested_optimizer: bool = True
+    zero_allow_untested_optimizer: bool = False  # a custom client optimizer, taken without a warning
     communication_data_type: str | None = None
     dump_state: bool = False
     # gradients holding inf or nan at a step without a loss scaler (fp32, bf16): "stop" raises before the
@@ -231,7 +232,7 @@ _WITHOUT_EFFECT = {
     "fp16": ("auto_cast",),
     "bf16": ("immediate_grad_update", "check_grad_overflow"),
     "torch_autocast": ("lower_precision_safe_modules",),
-    "": ("prescale_gradients", "gradient_predivide_factor", "zero_allow_untested_optimizer",
+    "": ("prescale_gradients", "gradient_predivide_factor",
          "communication_data_type", "dump_state"),
 }
 
@@ -259,7 +260,7 @@ def _translate_deprecated(data: dict, notes: list[str]) -> dict:
     for old, (new, translate) in _DEPRECATED_ZERO.items():
         if old not in data:
             continue
-        value = _convert(bool, data.pop(old), f"zero_optimization.{old}", [])
+        value = _convert(bool, data.pop(old), f"zero_optimization.{old}", _Notes())
         if new is None:
             notes.append(f"zero_optimization.{old} (without effect, as in DeepSpeed; offload_optimizer.pin_memory "
                          "and offload_param.pin_memory are its current keys)")
@@ -271,6 +272,18 @@ def _translate_deprecated(data: dict, notes: list[str]) -> dict:
         data.setdefault(new, new_value)
         notes.append(f"zero_optimization.{old} -> zero_optimization.{new}")
     return data
+
+
+def _translate_bfloat16(config: dict, notes: list[str]) -> dict:
+    """The config with DeepSpeed's older `bfloat16` section read as `bf16`; both given must agree."""
+    config = dict(config)
+    value = config.pop("bfloat16")
+    if "bf16" in config and config["bf16"] != value:
+        raise ValueError(f"bfloat16 ({json.dumps(value)}) and bf16 ({json.dumps(config['bf16'])}) disagree; keep only "
+                         "bf16, the current key")
+    config["bf16"] = value
+    notes.append("bfloat16 -> bf16")
+    return config
 
 
 def _check_range(path: str, value, low) -> None:
@@ -286,7 +299,15 @@ class ConfigTypeError(TypeError):
     """A config value of the wrong type, named by its key (a TypeError, so callers catching that still do)."""
 
 
-def _convert(hint, value, path: str, ignored: list[str]):
+@dataclass
+class _Notes:
+    """What parsing met that a warning reports: keys without effect here, and keys nobody reads."""
+
+    without_effect: list[str] = field(default_factory=list)
+    unknown: list[str] = field(default_factory=list)
+
+
+def _convert(hint, value, path: str, ignored: _Notes):
     """Check `value` against the type hint, recursing into nested config dataclasses."""
     if typing.get_origin(hint) in (typing.Union, types.UnionType):
         options = typing.get_args(hint)
@@ -361,25 +382,29 @@ def check_params(prefix: str, owner: str, fn, params: dict, skip: set[str],
             raise ConfigTypeError(f"{prefix}.{key} for {owner} must be {wanted}, got {type(value).__name__} {value!r}")
 
 
-def _parse(cls, data, path: str, ignored: list[str]):
+def _parse(cls, data, path: str, ignored: _Notes):
     if not isinstance(data, dict):
         raise ConfigTypeError(f"{path or 'config'} must be a JSON object, got {type(data).__name__}")
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
     prefix = f"{path}." if path else ""
     for key in [key for key in data if key not in names]:
+        if cls is EngineConfig and key in _DEEPSPEED_KEYS:  # DeepSpeed's own section or switch, not read here
+            ignored.without_effect.append(key)
+            data = {k: v for k, v in data.items() if k != key}
+            continue
         close = difflib.get_close_matches(key, names, n=1, cutoff=0.8)
         if close:
             raise ValueError(f"unknown config key {prefix}{key}; did you mean {prefix}{close[0]}?")
         if cls not in _LENIENT:
             raise ValueError(f"unknown config key {prefix}{key} (DeepSpeed refuses it too); valid keys here: "
                              f"{', '.join(sorted(names))}")
-        ignored.append(_UNKNOWN + prefix + key)
+        ignored.unknown.append(prefix + key)
         data = {k: v for k, v in data.items() if k != key}
     section = "offload" if cls is OffloadConfig else path.split(".")[-1]
     for key in _WITHOUT_EFFECT.get(section, ()):
         if key in data:
-            ignored.append(prefix + key)
+            ignored.without_effect.append(prefix + key)
     kwargs = {key: _convert(hints[key], value, prefix + key, ignored) for key, value in data.items()}
     try:
         return cls(**kwargs)
@@ -391,7 +416,18 @@ def _parse(cls, data, path: str, ignored: list[str]):
 # beside optimizer's and scheduler's type and params); its other sections are pydantic models that refuse
 # one. Here a key that passes is reported in one warning, and one close to a known key fails either way.
 _LENIENT = (EngineConfig, OptimizerConfig, SchedulerConfig)
-_UNKNOWN = "\0"  # marks an unknown key among the notes `_parse` collects
+# DeepSpeed 0.19.8's other top-level keys (its sections and switches): accepted without effect here,
+# never taken for a misspelling of a key read here (sparse_gradients is not prescale_gradients).
+_DEEPSPEED_KEYS = frozenset((
+    "activation_checkpointing", "aio", "amp", "autotuning", "checkpoint", "comet", "comms_logger", "compile",
+    "compression_training", "csv_monitor", "curriculum_learning", "data_efficiency", "data_types",
+    "dataloader_drop_last", "disable_allgather", "disable_python_gc", "eigenvalue", "elasticity", "expert_parallel",
+    "flops_profiler", "fp32_reduce_scatter", "gradient_accumulation_dtype", "gradient_allreduce_op",
+    "graph_harvesting", "hybrid_engine", "legacy_fusion", "managed_gradient_accumulation", "nebula", "pipeline",
+    "progressive_layer_drop", "quantize_training", "seq_parallel_communication_data_type", "sparse_attention",
+    "sparse_gradients", "timers", "use_data_before_expert_parallel_", "use_data_before_expert_parallelism",
+    "vocabulary_size", "wandb", "weight_quantization", "zero_force_ds_cpu_optimizer",
+))
 
 
 def _resolve_batch(config: EngineConfig, world_size: int) -> None:
@@ -448,8 +484,10 @@ def parse_config(config: dict | str | os.PathLike, world_size: int) -> EngineCon
     if isinstance(config, (str, os.PathLike)):
         with open(config) as handle:
             config = json.load(handle, object_pairs_hook=_refuse_duplicates)
-    ignored: list[str] = []
+    ignored = _Notes()
     deprecated: list[str] = []
+    if isinstance(config, dict) and "bfloat16" in config:  # DeepSpeed still reads its old name of bf16
+        config = _translate_bfloat16(config, deprecated)
     if isinstance(config, dict) and isinstance(config.get("zero_optimization"), dict):
         config = {**config, "zero_optimization": _translate_deprecated(config["zero_optimization"], deprecated)}
     parsed = _parse(EngineConfig, config, "", ignored)
@@ -457,13 +495,11 @@ def parse_config(config: dict | str | os.PathLike, world_size: int) -> EngineCon
     if deprecated:
         warnings.warn(f"deprecated config keys, read as their current ones: {'; '.join(deprecated)}",
                       DeprecationWarning, stacklevel=3)
-    unknown = [key[1:] for key in ignored if key.startswith(_UNKNOWN)]
-    without_effect = [key for key in ignored if not key.startswith(_UNKNOWN)]
-    if unknown:
-        warnings.warn(f"config keys this engine does not read, ignored (DeepSpeed passes over keys it does not know there too): "
-                      f"{', '.join(unknown)}", stacklevel=3)
-    if without_effect:
-        warnings.warn(f"config keys accepted for compatibility, without effect here: {', '.join(without_effect)}",
+    if ignored.unknown:
+        warnings.warn(f"config keys neither DeepSpeed nor this engine reads, ignored as DeepSpeed ignores them: "
+                      f"{', '.join(ignored.unknown)}", stacklevel=3)
+    if ignored.without_effect:
+        warnings.warn(f"config keys accepted for compatibility, without effect here: {', '.join(ignored.without_effect)}",
                       stacklevel=3)
     return parsed
 

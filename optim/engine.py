@@ -27,13 +27,14 @@ from optim.buckets import GradientBuckets, release_hooks
 from optim.config import EngineConfig, parse_config
 from optim.memory import model_state_bytes
 from optim.monitor import Monitor, StepStats
-from optim.optimizer import ZeroOptimizer, build_optimizer, check_client_optimizer
+from optim.optimizer import ZeroOptimizer, build_optimizer, check_client_optimizer, follow_split
 from optim.scaler import LossScaler, LossScalerConfig
 from optim.schedulers import build_scheduler
 from optim.zero import FlatGroup, ShardedParam, describe_parameters, shard_placement
 from parallel import (
     data_before_expert, groups_for_name, init_distributed, is_template_copy, local_device, split_group,
 )
+from parallel.distributed import TORCHRUN_VARIABLES
 
 __all__ = ["Engine", "initialize"]
 
@@ -75,15 +76,25 @@ def _param_groups(model: nn.Module, model_parameters, optimizer) -> list[dict]:
     return [dict(g, params=list(g["params"])) for g in groups]
 
 
-def _split_expert_groups(groups: list[dict], infos: dict) -> list[dict]:
-    """Each group's trainable dense parameters (flagged moe=False), then its expert groups (parallel.split_group)."""
-    out = []
-    for group in groups:
+def _split_expert_groups(groups: list[dict], infos: dict, model: nn.Module) -> tuple[list[dict], list[int]]:
+    """Each group's trainable dense parameters (flagged moe=False), then its expert groups (parallel.split_group);
+    and for each group made, the index of the user's group it came from.
+
+    Raises:
+        ValueError: a group holds a tensor that is not a parameter of the model.
+    """
+    known = {id(p) for p in model.parameters()}
+    out, origins = [], []
+    for index, group in enumerate(groups):
+        stray = next((p for p in group["params"] if id(p) not in known), None)
+        if stray is not None:
+            raise ValueError(f"param group {index} holds a tensor of shape {list(stray.shape)} that is not a parameter "
+                             "of the model; the engine trains the model's parameters only")
         dense, experts = split_group({**group, "params": [p for p in group["params"] if id(p) in infos]})
-        if dense["params"]:
-            out.append({**dense, "moe": False})
-        out += experts
-    return out
+        made = ([{**dense, "moe": False}] if dense["params"] else []) + experts
+        out += made
+        origins += [index] * len(made)
+    return out, origins
 
 
 class Engine:
@@ -126,9 +137,10 @@ class Engine:
         infos = describe_parameters(
             self.module, lambda param: groups_for_name(param.group_name, data_before_expert(param)).ep_rank)
         if isinstance(optimizer, torch.optim.Optimizer):
-            check_client_optimizer(optimizer)
-        groups = [dict(g, params=[infos[id(p)] for p in g["params"]])
-                  for g in _split_expert_groups(_param_groups(self.module, model_parameters, optimizer), infos)]
+            check_client_optimizer(optimizer, config.zero_allow_untested_optimizer)
+        user_groups = _param_groups(self.module, model_parameters, optimizer)
+        groups, origins = _split_expert_groups(user_groups, infos, self.module)
+        groups = [dict(g, params=[infos[id(p)] for p in g["params"]]) for g in groups]
         client_state = {id(info): optimizer.state.get(info.param) for info in infos.values()} \
             if isinstance(optimizer, torch.optim.Optimizer) else None
         self._fully_shard = self.stage == 3 and dist.is_available() and dist.is_initialized()
@@ -142,6 +154,8 @@ class Engine:
         self.optimizer = ZeroOptimizer(build_optimizer(config, optimizer, groups, self._units_by_group, client_state),
                                        self)
         self.lr_scheduler = self._build_scheduler(lr_scheduler)
+        if isinstance(optimizer, torch.optim.Optimizer) and origins != list(range(len(user_groups))):
+            follow_split(optimizer, self.lr_scheduler, origins, len(user_groups))
         self.scaler = LossScaler(LossScalerConfig(
             static_scale=config.fp16.loss_scale, initial_scale_power=config.fp16.initial_scale_power,
             loss_scale_window=config.fp16.loss_scale_window, hysteresis=config.fp16.hysteresis,
@@ -401,7 +415,11 @@ class Engine:
             if coefficient.device.type != "cpu" or not float(coefficient) >= 1.0:
                 for proxy in proxies:
                     proxy.grad.mul_(coefficient.to(proxy.grad.device, proxy.grad.dtype))
-        self.optimizer.step()
+        self.optimizer._stepping = True
+        try:
+            self.optimizer.step()
+        finally:
+            self.optimizer._stepping = False
         for unit in self.units:
             if unit.steps_on_copy:
                 unit.weights.copy_(unit.proxy.detach())
@@ -679,11 +697,15 @@ def initialize(model: nn.Module = None, model_parameters=None, config=None, trai
     if model is None:
         raise TypeError("initialize needs model, an nn.Module, got None")
     config = _config_source(config if config is not None else config_params, args)
-    if _ignored.get("dist_init_required", True) is not False:  # DeepSpeed's initialize joins the group too
+    join = _ignored.get("dist_init_required", True) is not False  # DeepSpeed's initialize joins the group too
+    world_size = _distributed()[0]
+    if join and world_size == 1 and all(name in os.environ for name in TORCHRUN_VARIABLES):
+        world_size = int(os.environ["WORLD_SIZE"])  # the group to be joined: the config is checked before it is
+    parsed = parse_config(config, world_size)
+    if join:
         init_distributed()
     _make_expert_groups(model)
     world_size, rank = _distributed()
-    parsed = parse_config(config, world_size)
     engine = Engine(model, parsed, model_parameters, optimizer, lr_scheduler)
     loader = None
     if training_data is not None:

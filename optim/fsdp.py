@@ -17,6 +17,7 @@ from parallel import data_meshes, groups_for_name
 
 __all__ = ["reshard", "shard_model"]
 
+
 def shard_model(module: nn.Module, infos: dict[int, ParamInfo], compute_dtype: torch.dtype | None,
                 master_dtype: torch.dtype, offload: bool, world_size: int, device: torch.device) -> None:
     """fully_shard each outermost all-expert module over its edp mesh, then `module` over the dp mesh.

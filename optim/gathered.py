@@ -8,33 +8,28 @@ shard, where the engine's optimizer steps on it; the sharded parameter is put ba
 stages 0-2, and without a process group, parameters are whole already and the context does nothing.
 """
 
-import weakref
-
 import torch
 import torch.distributed as dist
 from torch import nn
 
 __all__ = ["GatheredParameters", "register_sharded"]
 
-# Each sharded parameter's module and attribute name by id(parameter): (weak reference to the
-# parameter, weak reference to its module, name).
-_OWNERS: dict[int, tuple[weakref.ref, weakref.ref, str]] = {}
-
 
 def register_sharded(module: nn.Module) -> None:
-    """Record where each parameter of `module` lives, after fully_shard replaced them (optim.fsdp)."""
+    """Tag each parameter of `module` with its module and attribute name, after fully_shard replaced
+    them (optim.fsdp), so the context can put whole parameters in their place."""
     for sub in module.modules():
         for name, param in sub._parameters.items():
             if param is not None:
-                _OWNERS[id(param)] = (weakref.ref(param), weakref.ref(sub), name)
+                param.sharded_owner = (sub, name)
 
 
 def _owner(param: torch.Tensor) -> tuple[nn.Module, str] | None:
-    """The module and attribute name of a parameter `register_sharded` saw, else None."""
-    entry = _OWNERS.get(id(param))
-    if entry is None or entry[0]() is not param or entry[1]() is None:
+    """The module and attribute name of a parameter `register_sharded` tagged, while it is still there."""
+    owner = getattr(param, "sharded_owner", None)
+    if owner is None or owner[0]._parameters.get(owner[1]) is not param:
         return None
-    return entry[1](), entry[2]
+    return owner
 
 
 class GatheredParameters:
@@ -68,14 +63,13 @@ class GatheredParameters:
             module, name = _owner(param)
             whole = nn.Parameter(param.detach().full_tensor(), requires_grad=param.requires_grad)
             module._parameters[name] = whole  # past nn.Module's checks: fully_shard swaps them the same way
-            self._whole.append(whole)
+            self._whole.append((module, name, whole))
         return self
 
     def __exit__(self, *exc) -> None:
         from torch.distributed.tensor import distribute_tensor
 
-        for param, whole in zip(self.params, self._whole):
-            module, name = _owner(param)
+        for param, (module, name, whole) in zip(self.params, self._whole):
             module._parameters[name] = param
             if self.modifier_rank is None or exc[0] is not None:
                 continue

@@ -17,13 +17,14 @@ forwards to the optimizer above and answers what scripts read of DeepSpeed's ZeR
 (`.optimizer`, `.loss_scale`, `.cur_scale`).
 """
 
+import warnings
 from collections import defaultdict
 
 import torch
 
 from optim.config import ConfigTypeError, EngineConfig, accepted_params, check_params
 
-__all__ = ["ZeroOptimizer", "build_optimizer", "optimizer_params"]
+__all__ = ["ZeroOptimizer", "build_optimizer", "check_client_optimizer", "follow_split", "optimizer_params"]
 
 _OPTIMIZERS = {"adam": torch.optim.AdamW, "adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}
 _FUSED_DEVICES = {"cpu", "cuda", "xpu"}  # where torch's fused Adam and AdamW run (not meta)
@@ -46,8 +47,9 @@ def optimizer_params(kind: str) -> set[str]:
     return taken | ({"adam_w_mode", "torch_adam"} if kind == "adam" else set())
 
 
-def check_client_optimizer(optimizer) -> None:
-    """Refuse, before any work, a torch optimizer whose step cannot run on the engine's flat shards.
+def check_client_optimizer(optimizer, allow_untested: bool) -> None:
+    """Refuse, before any work, a torch optimizer whose step cannot run on the engine's flat shards; warn
+    of one that is not torch's, unless the config's `zero_allow_untested_optimizer` is true.
 
     Raises:
         ValueError: naming the class and the reason.
@@ -56,6 +58,11 @@ def check_client_optimizer(optimizer) -> None:
         if cls.__module__.startswith("torch.optim") and cls.__name__ in _UNFIT:
             raise ValueError(f"optimizer {type(optimizer).__name__} cannot be used with the engine: it "
                              f"{_UNFIT[cls.__name__]}; use an elementwise optimizer (AdamW, Adam, SGD, RMSprop, ...)")
+    if not type(optimizer).__module__.startswith("torch.optim") and not allow_untested:
+        warnings.warn(f"optimizer {type(optimizer).__name__} is not a torch.optim class: the engine steps it on flat "
+                      "shards that join each group's parameters, so its update must be elementwise (a norm per "
+                      "parameter, as LAMB or LARS take, would span several); set zero_allow_untested_optimizer: "
+                      "true in the config once it is", stacklevel=4)
 
 
 def build_optimizer(config: EngineConfig, optimizer, groups: list[dict], units_by_group: list[list],
@@ -142,9 +149,9 @@ def _unit_state(unit, old_state, counters: torch.device | None) -> dict:
                          "step it on every parameter of a group, or pass it before its first step")
     merged = {}
     for name, first in with_state[0][1].items():
-        if _elementwise(first, with_state[0][0]):
-            dtype = unit.proxy.dtype if unit.proxy.numel() else unit.weights.dtype
-            value = torch.zeros(unit.weights.shape, dtype=dtype, device=unit.weights.device)
+        if _elementwise(name, with_state):
+            # the proxy's dtype is the optimizer's (an empty proxy, with steps_on_copy, still has it)
+            value = torch.zeros(unit.weights.shape, dtype=unit.proxy.dtype, device=unit.weights.device)
             by_info = {id(info): state[name] for info, state in with_state}
             for info, offsets, view in unit.boxes(value):
                 piece = by_info[id(info)][tuple(slice(o, o + s) for o, s in zip(offsets, view.shape))]
@@ -162,14 +169,51 @@ def _unit_state(unit, old_state, counters: torch.device | None) -> dict:
     return merged
 
 
-def _elementwise(value, info) -> bool:
-    return isinstance(value, torch.Tensor) and value.dim() >= 1 and tuple(value.shape) == tuple(info.param.shape)
+_COUNTERS = ("step", "eta", "mu")  # torch.optim's per-parameter scalars that are not per element (ASGD's eta, mu)
+
+
+def _elementwise(name: str, with_state: list) -> bool:
+    """Whether state `name` holds a value per element: shaped like its parameter, for a parameter with
+    dimensions; for scalar parameters alone, unless torch names it a counter."""
+    shaped = [(info, state.get(name)) for info, state in with_state if info.param.dim() >= 1]
+    if not shaped:
+        return name not in _COUNTERS and all(isinstance(state.get(name), torch.Tensor) for _, state in with_state)
+    return all(isinstance(value, torch.Tensor) and tuple(value.shape) == tuple(info.param.shape)
+               for info, value in shaped)
 
 
 def _same(a, b) -> bool:
     if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
         return a.shape == b.shape and bool(torch.equal(a.cpu(), b.cpu()))
     return a == b
+
+
+def follow_split(optimizer: torch.optim.Optimizer, scheduler, origins: list[int], user_groups: int) -> None:
+    """Give a torch schedule built on the user's optimizer before `initialize` one value per engine group.
+
+    The engine splits a group holding dense and expert parameters in two; a schedule keeps lists with
+    one entry per group (base_lrs, lr_lambdas, ...), each now repeated for every group made from it.
+    A torch schedule built on the optimizer but not passed to `initialize` gets a warning saying what to do.
+
+    Args:
+        optimizer: the user's optimizer, its groups already the engine's.
+        scheduler: the schedule passed to initialize (any kind), or None.
+        origins: for each engine group, the index of the user's group it came from.
+        user_groups: how many groups the user's optimizer had.
+    """
+    schedules = [scheduler] if isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler) \
+        and scheduler.optimizer is optimizer else []
+    if not schedules and hasattr(optimizer.step, "_wrapped_by_lr_sched"):  # torch schedules mark the step they watch
+        warnings.warn(f"the optimizer's {user_groups} param group(s) became {len(origins)}: expert parameters "
+                      "are split into groups of their own (moe.split_params_into_different_moe_groups_for_optimizer "
+                      "makes them before the optimizer); a torch schedule built on the optimizer must be passed "
+                      "as initialize(lr_scheduler=...) to follow", stacklevel=4)
+    while schedules:
+        schedule = schedules.pop()
+        schedules += [s for s in getattr(schedule, "_schedulers", []) if s.optimizer is optimizer]
+        for name, value in vars(schedule).items():
+            if isinstance(value, list) and len(value) == user_groups and name != "_schedulers":
+                setattr(schedule, name, [value[i] for i in origins])
 
 
 class ZeroOptimizer(torch.optim.Optimizer):
@@ -187,6 +231,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def __init__(self, optimizer: torch.optim.Optimizer, engine):  # no super().__init__: nothing of its own
         self.optimizer = optimizer
         self._engine = engine
+        self._stepping = False  # set by the engine around its own call of step()
 
     param_groups = property(lambda self: self.optimizer.param_groups,
                             lambda self, value: setattr(self.optimizer, "param_groups", value))
@@ -200,7 +245,20 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     cur_scale = loss_scale
 
+    @property
+    def overflow(self) -> bool:
+        """Whether the last optimizer step was skipped (an fp16 overflow, or nonfinite: skip)."""
+        return self._engine.was_step_skipped()
+
     def step(self, closure=None):
+        """The engine's step on this rank's shards; called by `engine.step()`, not by scripts.
+
+        Raises:
+            RuntimeError: called from outside the engine, where the shards have no gradients.
+        """
+        if not self._stepping:
+            raise RuntimeError("the engine's optimizer steps inside engine.step(), which reduces the gradients "
+                               "into the shards first; call engine.step() instead of optimizer.step()")
         return self.optimizer.step(closure)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -235,10 +293,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return self.optimizer.register_load_state_dict_post_hook(hook, prepend)
 
     def __getstate__(self):
-        return self.__dict__
-
-    def __setstate__(self, state):
-        self.__dict__.update(state)
+        raise TypeError("the engine's optimizer holds the engine and cannot be pickled or copied; save "
+                        "engine.save_checkpoint(...) or optimizer.optimizer.state_dict()")
 
     def __repr__(self) -> str:
         return f"ZeroOptimizer({self.optimizer!r})"

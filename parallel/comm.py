@@ -6,7 +6,9 @@ Scripts, MoE integrations and DeepSpeed's own MoE tests call `dist.get_rank()`, 
 the same name, with one difference: without a process group (a one-process run, which this project
 runs without torchrun) the queries answer for one process (rank 0, world size 1) and the collectives
 act as they would on a group of one (all_reduce, broadcast and barrier leave the tensor as it is,
-all_gather copies it) instead of raising.
+all_gather copies it) instead of raising. The collectives take DeepSpeed's profiling keywords
+(`prof`, `log_name`, `debug`) without effect; any other name of torch.distributed (`all_gather_object`,
+`broadcast_object_list`, `gather`, `scatter`, `isend`, ...) is torch's own, reached through this module.
 """
 
 import os
@@ -68,32 +70,32 @@ def destroy_process_group(group=None) -> None:
         _dist.destroy_process_group(group)
 
 
-def barrier(group=None, async_op: bool = False, device_ids=None):
+def barrier(group=None, async_op: bool = False, device_ids=None, **_profiling):
     if is_initialized():
         return _dist.barrier(group, async_op, device_ids)
     return None
 
 
-def all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None, async_op: bool = False):
+def all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None, async_op: bool = False, **_profiling):
     """Reduce `tensor` in place over `group`; alone, the tensor is already the result."""
     if is_initialized():
         return _dist.all_reduce(tensor, op, group, async_op)
     return None
 
 
-def reduce(tensor: torch.Tensor, dst: int, op=ReduceOp.SUM, group=None, async_op: bool = False):
+def reduce(tensor: torch.Tensor, dst: int, op=ReduceOp.SUM, group=None, async_op: bool = False, **_profiling):
     if is_initialized():
         return _dist.reduce(tensor, dst, op, group, async_op)
     return None
 
 
-def broadcast(tensor: torch.Tensor, src: int, group=None, async_op: bool = False):
+def broadcast(tensor: torch.Tensor, src: int, group=None, async_op: bool = False, **_profiling):
     if is_initialized():
         return _dist.broadcast(tensor, src, group, async_op)
     return None
 
 
-def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor, group=None, async_op: bool = False):
+def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor, group=None, async_op: bool = False, **_profiling):
     """Gather `tensor` from every rank into `tensor_list`; alone, its one entry is a copy of `tensor`."""
     if is_initialized():
         return _dist.all_gather(tensor_list, tensor, group, async_op)
@@ -102,7 +104,7 @@ def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor, group=None
     return None
 
 
-def all_gather_into_tensor(output: torch.Tensor, tensor: torch.Tensor, group=None, async_op: bool = False):
+def all_gather_into_tensor(output: torch.Tensor, tensor: torch.Tensor, group=None, async_op: bool = False, **_profiling):
     if is_initialized():
         return _dist.all_gather_into_tensor(output, tensor, group, async_op)
     output.copy_(tensor.reshape(output.shape))
@@ -110,7 +112,7 @@ def all_gather_into_tensor(output: torch.Tensor, tensor: torch.Tensor, group=Non
 
 
 def reduce_scatter_tensor(output: torch.Tensor, tensor: torch.Tensor, op=ReduceOp.SUM, group=None,
-                          async_op: bool = False):
+                          async_op: bool = False, **_profiling):
     if is_initialized():
         return _dist.reduce_scatter_tensor(output, tensor, op, group, async_op)
     output.copy_(tensor.reshape(output.shape))
@@ -118,7 +120,7 @@ def reduce_scatter_tensor(output: torch.Tensor, tensor: torch.Tensor, op=ReduceO
 
 
 def all_to_all_single(output: torch.Tensor, tensor: torch.Tensor, output_split_sizes=None, input_split_sizes=None,
-                      group=None, async_op: bool = False):
+                      group=None, async_op: bool = False, **_profiling):
     if is_initialized():
         return _dist.all_to_all_single(output, tensor, output_split_sizes, input_split_sizes, group, async_op)
     output.copy_(tensor)
@@ -137,3 +139,10 @@ def _one_process(name: str, entries: int) -> None:
     if entries != 1:
         raise ValueError(f"{name} without a process group gathers from one rank: tensor_list must have 1 entry, "
                          f"got {entries}")
+
+
+def __getattr__(name: str):
+    """torch.distributed's other names, as deepspeed.comm also offers them."""
+    if name.startswith("__"):
+        raise AttributeError(name)
+    return getattr(_dist, name)

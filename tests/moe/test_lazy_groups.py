@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 import optim
+import parallel
 from moe import MoE
 from parallel import expert_groups, expert_ids, reset_groups
 from tests.distributed import run_distributed
@@ -86,6 +87,25 @@ def _built_before_the_group(rank, world, expert_init, join):
                                                ("copy", "initialize")])
 def test_a_layer_built_before_init_distributed_gets_its_groups_later(expert_init, join):
     run_distributed(_built_before_the_group, 2, expert_init, join, timeout_s=120)
+
+
+def _written_before_the_group(rank, world):
+    _leave_the_group()
+    layer = _layer(2, "per_expert_seed")
+    with torch.no_grad():
+        layer.deepspeed_moe.experts.weight1.zero_()  # a state dict loaded too early
+    parallel.init_distributed()
+    if rank == 0:  # holds experts 0 and 1, as built: nothing is re-initialised
+        layer.set_deepspeed_parallelism()
+        assert not layer.deepspeed_moe.experts.weight1.any()
+    else:
+        with pytest.raises(RuntimeError, match=r"the experts' weights were written before the expert-parallel groups "
+                                               r"existed.*load weights after optim.initialize"):
+            layer.set_deepspeed_parallelism()
+
+
+def test_expert_weights_written_before_the_groups_are_not_silently_replaced():
+    run_distributed(_written_before_the_group, 2, timeout_s=120)
 
 
 def test_a_layer_used_without_a_process_group_fails_with_one_clear_error(monkeypatch):

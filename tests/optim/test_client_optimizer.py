@@ -74,9 +74,8 @@ def test_the_client_optimizer_keeps_its_settings_and_splits_expert_groups():
     assert engine.optimizer.param_groups is groups and engine.get_lr() == [LR, LR, LR / 2]
 
 
-def test_adamw_on_torch_2_13_no_longer_fails_on_its_own_defaults():
-    # AdamW's defaults list decoupled_weight_decay, which its constructor does not take: rebuilding
-    # the optimizer from its defaults failed; taking it as it is cannot
+def test_an_adamw_whose_defaults_its_constructor_does_not_take_is_used_as_it_is():
+    # torch 2.13's AdamW lists decoupled_weight_decay among its defaults, which its constructor does not take
     model = Net()
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     engine, *_ = initialize(model=model, optimizer=optimizer, config=config(0, optimizer=None))
@@ -94,6 +93,92 @@ def test_state_taken_before_the_engine_is_kept():
     assert all(int(state["step"]) == 1 for state in optimizer.state.values())
     engine_steps(engine, 1, 0, 2, first_step=1)
     _assert_same_model(engine, reference)
+
+
+def test_a_lambda_schedule_built_before_initialize_follows_the_split_groups():
+    """One user group holding dense and expert parameters becomes two: the schedule's lists follow."""
+    lambdas = lambda step: 1.0 / (step + 1)  # noqa: E731
+    model = Net()
+    reference_optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+    reference_scheduler = torch.optim.lr_scheduler.LambdaLR(reference_optimizer, lambdas)
+    for step in range(2):
+        reference_steps(model, reference_optimizer, 1, 1, 2, 0.0, first_step=step)
+        reference_scheduler.step()
+    mine = Net()
+    optimizer = torch.optim.SGD(mine.parameters(), lr=LR, momentum=0.9)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambdas)
+    engine, *_ = initialize(model=mine, optimizer=optimizer, lr_scheduler=scheduler,
+                            config=config(0, clip=0.0, optimizer=None))
+    assert len(optimizer.param_groups) == 2 and len(scheduler.base_lrs) == len(scheduler.lr_lambdas) == 2
+    engine_steps(engine, 2, 0, 2)
+    assert engine.get_lr() == pytest.approx([LR / 3, LR / 3])
+    _assert_same_model(engine, model)
+
+
+def test_a_schedule_built_on_the_optimizer_but_not_passed_is_warned_of():
+    model = Net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    with pytest.warns(UserWarning, match=r"the optimizer's 1 param group\(s\) became 2: .* must be passed as "
+                                         r"initialize\(lr_scheduler=...\)"):
+        initialize(model=model, optimizer=optimizer, config=config(0, optimizer=None))
+
+
+class Scaled(nn.Module):
+    """Net with a learnable scalar temperature first: a 0-dim parameter in the dense group."""
+
+    def __init__(self):
+        super().__init__()
+        self.temperature = nn.Parameter(torch.tensor(1.5))
+        self.net = Net()
+
+    def forward(self, x):
+        logits, l_aux = self.net(x)
+        return logits * self.temperature, l_aux
+
+
+def test_state_of_a_scalar_parameter_is_laid_out_per_element():
+    models = []
+    for engine_on in (False, True):
+        torch.manual_seed(0)
+        model = Scaled()
+        optimizer = torch.optim.Adagrad(model.parameters(), lr=LR, initial_accumulator_value=0.1)
+        if engine_on:
+            engine, *_ = initialize(model=model, optimizer=optimizer, config=config(2, clip=0.0, optimizer=None))
+            engine_steps(engine, 2, 0, 2)
+        else:
+            reference_steps(model, optimizer, 2, 1, 2, 0.0)
+        models.append(model)
+    for (name, expected), got in zip(models[0].named_parameters(), models[1].parameters()):
+        torch.testing.assert_close(got.detach(), expected.detach(), rtol=RTOL, atol=ATOL, msg=name)
+
+
+def test_adopted_state_takes_the_optimizers_dtype_with_bf16_master_weights():
+    model = Net()
+    optimizer = torch.optim.Adagrad(model.parameters(), lr=LR, initial_accumulator_value=0.1)
+    engine, *_ = initialize(model=model, optimizer=optimizer, config={
+        **config(2, clip=0.0, optimizer=None), "bf16": {"enabled": True, "bf16_master_weights_and_grads": True}})
+    assert all(u.steps_on_copy for u in engine.units)
+    assert {optimizer.state[u.proxy]["sum"].dtype for u in engine.units} == {torch.float32}
+    engine_steps(engine, 1, 0, 2)
+
+
+def test_a_tensor_that_is_not_a_model_parameter_is_refused():
+    model = Net()
+    loss_weight = nn.Parameter(torch.ones(3))
+    optimizer = torch.optim.SGD([{"params": model.parameters()}, {"params": [loss_weight]}], lr=LR)
+    with pytest.raises(ValueError, match=r"param group 1 holds a tensor of shape \[3\] that is not a parameter of the "
+                                         r"model"):
+        initialize(model=model, optimizer=optimizer, config=config(0, optimizer=None))
+
+
+def test_stepping_the_returned_optimizer_outside_the_engine_fails():
+    model = Net()
+    engine, optimizer, _, _ = initialize(model=model, config=config(0))
+    x, y = batch(0, 0, 0)
+    loss_of(engine(x), y).backward()
+    with pytest.raises(RuntimeError, match=r"call engine.step\(\) instead of optimizer.step\(\)"):
+        optimizer.step()
 
 
 def test_adagrad_state_made_in_its_constructor_is_laid_out_like_the_shards():
@@ -143,7 +228,17 @@ class SignSGD(torch.optim.Optimizer):
 
 @pytest.mark.parametrize("stage", [0, 3])
 def test_a_custom_optimizer_subclass(stage):
-    _assert_same_model(_engine(SignSGD, stage), _reference(SignSGD))
+    with pytest.warns(UserWarning, match=r"optimizer SignSGD is not a torch.optim class: .* its update must be "
+                                         r"elementwise .* set zero_allow_untested_optimizer: true"):
+        engine = _engine(SignSGD, stage)
+    _assert_same_model(engine, _reference(SignSGD))
+
+
+def test_zero_allow_untested_optimizer_takes_a_custom_optimizer_without_a_warning(recwarn):
+    model = Net()
+    initialize(model=model, optimizer=SignSGD(model.parameters(), lr=LR),
+               config={**config(0, optimizer=None), "zero_allow_untested_optimizer": True})
+    assert not [w for w in recwarn if "not a torch.optim class" in str(w.message)]
 
 
 def test_hooks_registered_on_the_client_optimizer_still_fire():
@@ -199,3 +294,36 @@ def _distributed_client(rank, world, stage, name):
 @pytest.mark.parametrize("stage,name", [(1, "Adagrad"), (2, "AdamW"), (3, "RMSprop")])
 def test_client_optimizer_on_two_ranks_with_expert_parallelism(stage, name):
     run_distributed(_distributed_client, 2, stage, name, timeout_s=180)
+
+
+def _local(full: torch.Tensor, name: str, rank: int) -> torch.Tensor:
+    """This rank's piece of a one-process tensor: its two of four experts for stacked expert tensors."""
+    return full[2 * rank:2 * rank + 2].clone() if ".experts." in name else full.clone()
+
+
+def _pre_stepped(rank, world, stage):
+    """The user's Adam after one step (the reference's, cut to this rank's experts), then one engine step."""
+    reset_groups()
+    reference = Net()
+    reference_optimizer = torch.optim.Adam(_groups(reference), lr=LR)
+    reference_steps(reference, reference_optimizer, 1, world, 2, 0.0)
+    after_one = {n: p.detach().clone() for n, p in reference.named_parameters()}
+    states = {n: reference_optimizer.state[p] for n, p in reference.named_parameters()}
+    model = Net(ep_size=2)
+    optimizer = torch.optim.Adam(_groups(model), lr=LR)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            p.copy_(_local(after_one[n], n, rank))
+            optimizer.state[p] = {k: v.clone() if k == "step" else _local(v, n, rank) for k, v in states[n].items()}
+    engine, *_ = initialize(model=model, optimizer=optimizer, config=config(stage, clip=0.0, optimizer=None))
+    engine_steps(engine, 1, rank, 2, first_step=1)
+    state = engine.consolidated_state_dict()
+    reference_steps(reference, reference_optimizer, 1, world, 2, 0.0, first_step=1)
+    if rank == 0:
+        for key, expected in reference.state_dict().items():
+            torch.testing.assert_close(state[key], expected, rtol=RTOL, atol=ATOL, msg=key)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_state_held_before_initialize_is_sharded_on_two_ranks(stage):
+    run_distributed(_pre_stepped, 2, stage, timeout_s=180)

@@ -62,11 +62,21 @@ def test_unknown_keys_pass_where_deepspeed_passes_them_with_one_warning(tmp_path
     path.write_text(json.dumps(config))
     with pytest.warns(UserWarning) as caught:
         parsed = parse_config(str(path), 1)
-    messages = [str(w.message) for w in caught if "does not read" in str(w.message)]
-    assert messages == ["config keys this engine does not read, ignored (DeepSpeed passes over keys it does not know "
-                        "there too): _comment, _precision_comment, _zero_comment, flops_profiler, optimizer._comment, "
-                        "scheduler._note"]
+    messages = [str(w.message) for w in caught]
+    assert "config keys neither DeepSpeed nor this engine reads, ignored as DeepSpeed ignores them: _comment, " \
+           "_precision_comment, _zero_comment, optimizer._comment, scheduler._note" in messages
+    assert "config keys accepted for compatibility, without effect here: flops_profiler" in messages
     assert parsed.zero_optimization.stage == 2 and parsed.optimizer.params == {"lr": 0.01}
+
+
+def test_deepspeeds_own_keys_are_not_taken_for_misspellings_and_bfloat16_is_bf16():
+    with pytest.warns(UserWarning, match=r"without effect here: sparse_gradients, gradient_accumulation_dtype"):
+        parse_config({"train_batch_size": 4, "sparse_gradients": False, "gradient_accumulation_dtype": "fp32"}, 1)
+    with pytest.warns(DeprecationWarning, match=r"bfloat16 -> bf16"):
+        parsed = parse_config({"train_batch_size": 4, "bfloat16": {"enabled": True}}, 1)
+    assert parsed.bf16.enabled and parsed.low_precision == "bf16"
+    with pytest.raises(ValueError, match=r'bfloat16 \({"enabled": true}\) and bf16 \({"enabled": false}\) disagree'):
+        parse_config({"train_batch_size": 4, "bfloat16": {"enabled": True}, "bf16": {"enabled": False}}, 1)
 
 
 @pytest.mark.parametrize("config, match", [

@@ -52,3 +52,16 @@ def _collectives(rank, world):
 
 def test_on_two_ranks_it_is_torch_distributed():
     run_distributed(_collectives, 2, timeout_s=60)
+
+
+def _objects_and_profiling_keywords(rank, world):
+    objects = [{"rank": rank}] * 1 if rank == 0 else [None]
+    dist.broadcast_object_list(objects, src=0)  # torch.distributed's own, through the module
+    assert objects == [{"rank": 0}]
+    t = torch.ones(1)
+    dist.all_reduce(t, log_name="grad", prof=False, debug="")  # DeepSpeed's profiling keywords
+    assert float(t) == world
+
+
+def test_torch_distributeds_other_names_and_deepspeeds_keywords():
+    run_distributed(_objects_and_profiling_keywords, 2, timeout_s=60)
