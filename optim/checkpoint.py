@@ -76,8 +76,9 @@ def _owner(engine, unit) -> bool:
 
 
 def _sharded_states(engine, unit) -> dict:
-    """The optimizer's state for a unit: tensors shaped like its shard, and scalars."""
-    state = engine.optimizer.state.get(unit.proxy, {})
+    """The optimizer's state for a unit's flat proxy: tensors shaped like its shard, and scalars (none where
+    the optimizer steps on per-parameter views: `_view_entries`)."""
+    state = engine.optimizer.state.get(unit.proxy, {}) if engine.optimizer.views is None else {}
     return {name: value for name, value in sorted(state.items()) if isinstance(value, torch.Tensor)}
 
 
@@ -131,10 +132,30 @@ def _boxes_to_write(engine) -> Boxes:
                 for info in unit.infos:
                     for key in info.keys():
                         _add(boxes, f"optim/{key}/{name}", tuple(value.shape), (0,) * value.dim(), value)
+        if _owner(engine, unit):  # states of an optimizer that steps on whole parameters (optim.shaped)
+            for key, value in _view_entries(engine, unit):
+                _add(boxes, key, tuple(value.shape), (0,) * value.dim(), value)
     if engine.rank == 0:
         for name, buffer in _buffers(engine).items():
             _add(boxes, f"buffer/{name}", tuple(buffer.shape), (0,) * buffer.dim(), buffer.detach())
     return boxes
+
+
+def _view_entries(engine, unit) -> list[tuple[str, torch.Tensor]]:
+    """(key, tensor) of each state an optimizer stepping on per-parameter views holds, whole, under the
+    parameter's first key; none for an optimizer stepping on flat proxies."""
+    if engine.optimizer.views is None:
+        return []
+    return [(f"optim/{_view_key(infos[0])}/{name}", value) for infos, state in engine.optimizer.unit_states(unit)
+            for name, value in sorted(state.items()) if isinstance(value, torch.Tensor)]
+
+
+def _view_key(info) -> str:
+    """The key of a whole parameter's optimizer states: its one-process name, with the span of global
+    experts it stacks (so another expert-parallel layout finds none, rather than the wrong ones)."""
+    if info.expert and info.axis is not None:
+        return f"{info.global_name}#experts{info.ids[0]}-{info.ids[-1]}"
+    return info.keys()[0]
 
 
 def _buffers(engine) -> dict[str, torch.Tensor]:
@@ -154,6 +175,8 @@ def _global_view(engine, with_optimizer: bool = True) -> dict[str, torch.Tensor]
                     out[f"model/{key}"] = piece.detach().cpu().contiguous()
         if not with_optimizer:
             continue
+        if owner:
+            out.update((key, value.detach().cpu().contiguous()) for key, value in _view_entries(engine, unit))
         for name, value in _sharded_states(engine, unit).items():
             pieces = unit.gather(value) if _is_sharded(unit, value) else [value] * len(unit.infos)
             if owner:
@@ -417,7 +440,9 @@ def _boxes_to_read(engine, stored, with_optimizer: bool, per_element: list[str] 
     for index, unit in enumerate(engine.units):
         for key, size, offsets, view in _unit_boxes(unit, unit.weights):
             _add(boxes, f"model/{key}", size, offsets, view)
-        if with_optimizer:
+        if with_optimizer and engine.optimizer.views is not None:
+            states[index] = _view_states_to_read(engine, unit, stored, boxes)
+        elif with_optimizer:
             states[index] = _state_to_read(engine, unit, stored, boxes, per_element)
     for name, buffer in _buffers(engine).items():
         entry = stored.get(f"buffer/{name}")
@@ -463,6 +488,42 @@ def _state_to_read(engine, unit, stored, boxes: Boxes, per_element: list[str] | 
     return state
 
 
+def _view_states_to_read(engine, unit, stored, boxes: Boxes) -> dict:
+    """For an optimizer stepping on per-parameter views: the tensors each view's state is read into,
+    whole, by view. A checkpoint holding optimizer states, but none for a parameter here (saved with
+    other experts on this rank), fails."""
+    states = {}
+    anything = any(key.startswith("optim/") for key in stored)
+    for info, view in engine.optimizer.views.of(unit):
+        prefix = f"optim/{_view_key(info)}/"
+        state = {}
+        for key in (k for k in stored if k.startswith(prefix)):
+            entry = stored[key]
+            size = tuple(entry.size)
+            value = torch.empty(size, dtype=entry.properties.dtype,
+                                device="cpu" if not size else unit.weights.device)  # counters on the host
+            _add(boxes, key, size, (0,) * len(size), value)
+            state[key[len(prefix):]] = value
+        if anything and not state:
+            raise RuntimeError(f"checkpoint holds no optimizer state for {_view_key(info)}: an "
+                               "optimizer that steps on whole parameters (Adafactor, Muon) resumes at the "
+                               "expert-parallel layout it saved at; load with load_optimizer_states=False to start "
+                               "its state afresh")
+        states[id(view)] = (view, state)
+    return states
+
+
+def _agreed(problem: str | None, world_size: int) -> None:
+    """Raise `problem` (a rank's own finding) on every rank, the first rank's that has one (collective)."""
+    problems = [problem]
+    if _distributed():
+        problems = [None] * world_size
+        dist.all_gather_object(problems, problem)
+    found = next((p for p in problems if p is not None), None)
+    if found is not None:
+        raise RuntimeError(found)
+
+
 def load(engine, load_dir: str, tag: str | None, load_optimizer_states: bool = True,
          load_lr_scheduler_states: bool = True, load_module_only: bool = False):
     """Load a checkpoint into `engine` whatever layout wrote it (collective); returns (path, client_state).
@@ -481,13 +542,22 @@ def load(engine, load_dir: str, tag: str | None, load_optimizer_states: bool = T
     mismatch = _model_mismatch(engine, metadata.state_dict_metadata, path)
     if mismatch is not None:  # every rank raises it, before anything is read or overwritten
         raise RuntimeError(mismatch)
-    boxes, states = _boxes_to_read(engine, metadata.state_dict_metadata, load_optimizer_states,
-                                   meta.get("per_element_states"))
+    problem = None
+    try:
+        boxes, states = _boxes_to_read(engine, metadata.state_dict_metadata, load_optimizer_states,
+                                       meta.get("per_element_states"))
+    except RuntimeError as error:  # a rank's own finding: every rank raises it, before anything is read
+        problem = str(error)
+    _agreed(problem, engine.world_size)
     with _single_process_quiet():
         dcp.load(boxes, storage_reader=reader, planner=planners.BoxLoadPlanner(), no_dist=not _distributed())
     for index, unit in enumerate(engine.units):
         unit.write_back()  # the model's copy of the master just read (all-gathered in stages 1-2)
-        if load_optimizer_states and states[index]:
+        if load_optimizer_states and engine.optimizer.views is not None:
+            for view, state in states[index].values():
+                if state:
+                    engine.optimizer.state[view] = state
+        elif load_optimizer_states and states[index]:
             engine.optimizer.state[unit.proxy] = states[index]
     if meta.get("gemm"):  # the products the saving rank had chosen: a resumed run multiplies as it did
         gemm.adopt(meta["gemm"][engine.rank % len(meta["gemm"])])

@@ -151,8 +151,8 @@ class Engine:
             self.module.to(self.compute_dtype)
         self.units = self._build_units(groups)
         self._buckets = self._build_buckets()
-        self.optimizer = ZeroOptimizer(build_optimizer(config, optimizer, groups, self._units_by_group, client_state),
-                                       self)
+        self.optimizer = ZeroOptimizer(*build_optimizer(config, optimizer, groups, self._units_by_group, client_state),
+                                       engine=self)
         self.lr_scheduler = self._build_scheduler(lr_scheduler)
         if isinstance(optimizer, torch.optim.Optimizer) and origins != list(range(len(user_groups))):
             follow_split(optimizer, self.lr_scheduler, origins, len(user_groups))

@@ -41,9 +41,12 @@ def model_state_bytes(units, optimizer: torch.optim.Optimizer, module: torch.nn.
         kind["parameters"] += sum(_nbytes(t) for t in held["parameters"])
         kind["gradients"] += sum(_nbytes(t) for t in held["gradients"])
         kind["optimizer_states"] += sum(_nbytes(t) for t in held["master"])
-        for value in optimizer.state.get(unit.proxy, {}).values():
-            if isinstance(value, torch.Tensor):
-                kind["optimizer_states"] += _nbytes(value)
+        states = optimizer.unit_states(unit) if hasattr(optimizer, "unit_states") else \
+            [(unit.infos, optimizer.state.get(unit.proxy, {}))]
+        for _, state in states:
+            for value in state.values():
+                if isinstance(value, torch.Tensor):
+                    kind["optimizer_states"] += _nbytes(value)
         managed.update(id(info.param) for info in unit.infos)
     for param in module.parameters():
         if id(param) not in managed:  # frozen parameters

@@ -9,8 +9,9 @@ group's master weights. It comes from one of three places:
   rebuilt: its param groups are re-pointed at the proxies (each group's settings kept, expert
   parameters split into their own groups) and any state it holds is laid out like the proxies. Its
   hooks, its class and any scheduler built on it stay valid. Flat shards suit optimizers whose update
-  is elementwise (every `torch.optim` class but the four that `_UNFIT` names, and custom subclasses
-  written the same way).
+  is elementwise (torch.optim's, and custom subclasses written the same way); Adafactor and Muon,
+  whose updates read each parameter's shape, step on per-parameter views (`optim.shaped`); LBFGS and
+  SparseAdam (`_UNFIT`) are refused.
 
 `ZeroOptimizer` is what `initialize` returns and `engine.optimizer` is: a torch `Optimizer` that
 forwards to the optimizer above and answers what scripts read of DeepSpeed's ZeRO wrapper
@@ -23,19 +24,17 @@ from collections import defaultdict
 import torch
 
 from optim.config import ConfigTypeError, EngineConfig, accepted_params, check_params
+from optim.shaped import ShapedViews, shaped
 
 __all__ = ["ZeroOptimizer", "build_optimizer", "check_client_optimizer", "follow_split", "optimizer_params"]
 
 _OPTIMIZERS = {"adam": torch.optim.AdamW, "adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}
 _FUSED_DEVICES = {"cpu", "cuda", "xpu"}  # where torch's fused Adam and AdamW run (not meta)
 
-# torch.optim classes whose step cannot run on flat shards, and why.
+# torch.optim classes whose step cannot run on the engine's shards, and why.
 _UNFIT = {
     "LBFGS": "needs a closure that re-evaluates the loss at each step, and engine.step() takes none",
     "SparseAdam": "steps on sparse gradients only, and the engine reduces dense ones",
-    "Adafactor": "factors each parameter's second moment by its rows and columns and scales by its RMS, "
-                 "and the engine steps on flat shards that mix parameters",
-    "Muon": "orthogonalises each 2-D parameter as a matrix, and the engine steps on flat shards that mix parameters",
 }
 
 
@@ -66,8 +65,9 @@ def check_client_optimizer(optimizer, allow_untested: bool) -> None:
 
 
 def build_optimizer(config: EngineConfig, optimizer, groups: list[dict], units_by_group: list[list],
-                    client_state: dict | None = None) -> torch.optim.Optimizer:
-    """The torch optimizer stepping on the units' proxies.
+                    client_state: dict | None = None) -> tuple[torch.optim.Optimizer, ShapedViews | None]:
+    """The torch optimizer stepping on the units' proxies (or, for Adafactor and Muon, on per-parameter
+    views of them: the second value, else None).
 
     Args:
         config: the engine config (its `optimizer` block is read when `optimizer` is None).
@@ -77,15 +77,18 @@ def build_optimizer(config: EngineConfig, optimizer, groups: list[dict], units_b
         client_state: the user's optimizer's state by `id(ParamInfo)`, read before the engine moved
             or sharded the parameters.
     """
-    proxy_groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [u.proxy for u in units]}
-                    for g, units in zip(groups, units_by_group)]
+    units = [u for group_units in units_by_group for u in group_units]
+    views = ShapedViews(units, type(optimizer).__name__) if shaped(optimizer) else None
+    proxy_groups = [{**{k: v for k, v in g.items() if k != "params"},
+                     "params": [v for u in group_units for _, v in views.of(u)] if views else [u.proxy for u in group_units]}
+                    for g, group_units in zip(groups, units_by_group)]
     if isinstance(optimizer, torch.optim.Optimizer):
-        return _adopt(optimizer, proxy_groups, [u for units in units_by_group for u in units], client_state or {})
+        return _adopt(optimizer, proxy_groups, units, client_state or {}, views), views
     if callable(optimizer):
-        return optimizer(proxy_groups)
+        return optimizer(proxy_groups), None
     if config.optimizer is None:
         raise ValueError("no optimizer: pass optimizer= to initialize or set the config key optimizer")
-    return _from_config(config, proxy_groups)
+    return _from_config(config, proxy_groups), None
 
 
 def _from_config(config: EngineConfig, groups: list[dict]) -> torch.optim.Optimizer:
@@ -112,13 +115,21 @@ def _from_config(config: EngineConfig, groups: list[dict]) -> torch.optim.Optimi
     return cls(groups, **params)
 
 
-def _adopt(optimizer: torch.optim.Optimizer, groups: list[dict], units: list, old_state: dict
-           ) -> torch.optim.Optimizer:
-    """The user's optimizer, its param groups replaced by `groups` and its state laid out like the proxies."""
+def _adopt(optimizer: torch.optim.Optimizer, groups: list[dict], units: list, old_state: dict,
+           views: ShapedViews | None) -> torch.optim.Optimizer:
+    """The user's optimizer, its param groups replaced by `groups` and its state laid out like what it steps."""
     optimizer.param_groups = []
     optimizer.state = defaultdict(dict)
     for group in groups:
         optimizer.add_param_group(group)
+    if views is not None:
+        views.hook(optimizer)
+        for unit in units:  # each view is its parameter whole: its state is the parameter's as it was
+            for info, view in views.of(unit):
+                if old_state.get(id(info)):
+                    optimizer.state[view] = {k: v.clone() if isinstance(v, torch.Tensor) else v
+                                             for k, v in old_state[id(info)].items()}
+        return optimizer
     group_of = {id(p): group for group in optimizer.param_groups for p in group["params"]}
     for unit in units:
         group = group_of[id(unit.proxy)]
@@ -225,11 +236,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     Attributes:
         optimizer: the torch optimizer (the user's own when one was passed to `initialize`).
+        views: for Adafactor and Muon, the per-parameter views they step on (optim.shaped), else None.
         loss_scale, cur_scale: the fp16 loss scale (1.0 without fp16).
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, engine):  # no super().__init__: nothing of its own
+    def __init__(self, optimizer: torch.optim.Optimizer, views: ShapedViews | None, engine):
+        # no super().__init__: it holds nothing of its own
         self.optimizer = optimizer
+        self.views = views
         self._engine = engine
         self._stepping = False  # set by the engine around its own call of step()
 
@@ -244,6 +258,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return self._engine.loss_scale
 
     cur_scale = loss_scale
+
+    def unit_states(self, unit) -> list[tuple[list, dict]]:
+        """The optimizer's state for a unit, as (the ParamInfos it covers, state) pairs: one pair for the
+        unit's flat proxy, or one per parameter where the optimizer steps on views."""
+        if self.views is None:
+            return [(unit.infos, self.optimizer.state.get(unit.proxy, {}))]
+        return [([info], self.optimizer.state.get(view, {})) for info, view in self.views.of(unit)]
 
     @property
     def overflow(self) -> bool:
