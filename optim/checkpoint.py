@@ -506,9 +506,9 @@ def _view_states_to_read(engine, unit, stored, boxes: Boxes) -> dict:
             state[key[len(prefix):]] = value
         if anything and not state:
             raise RuntimeError(f"checkpoint holds no optimizer state for {_view_key(info)}: an "
-                               "optimizer that steps on whole parameters (Adafactor, Muon) resumes at the "
-                               "expert-parallel layout it saved at; load with load_optimizer_states=False to start "
-                               "its state afresh")
+                               "optimizer that steps on whole parameters (Adafactor, Muon) resumes from its own "
+                               "states at the expert-parallel layout it saved at; load with "
+                               "load_optimizer_states=False to start its state afresh")
         states[id(view)] = (view, state)
     return states
 
