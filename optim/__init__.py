@@ -3,11 +3,11 @@
 `from optim import initialize`; `engine, optimizer, loader, scheduler = initialize(model, config=...)`.
 """
 
-from optim.checkpoint import read_client_state
+from optim.checkpoint import CheckpointError, read_client_state
 from optim.config import ConfigTypeError, EngineConfig, add_config_arguments, parse_config
 from optim.engine import Engine, initialize
 from optim.monitor import Monitor
 from optim.scaler import LossScaler, LossScalerConfig
 
-__all__ = ["ConfigTypeError", "Engine", "EngineConfig", "LossScaler", "LossScalerConfig", "Monitor",
+__all__ = ["CheckpointError", "ConfigTypeError", "Engine", "EngineConfig", "LossScaler", "LossScalerConfig", "Monitor",
            "add_config_arguments", "initialize", "parse_config", "read_client_state"]

@@ -38,7 +38,11 @@ import torch.distributed as dist
 from kernels import gemm
 from parallel import accelerator_name
 
-__all__ = ["save", "load", "consolidated_state_dict", "verify"]
+__all__ = ["CheckpointError", "save", "load", "consolidated_state_dict", "verify"]
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint refused: incomplete, corrupt, of another format, or of another model (raised on every rank)."""
 
 _FORMAT = 1
 
@@ -297,25 +301,25 @@ def verify(path: str) -> None:
     """Check a checkpoint folder against its manifest.
 
     Raises:
-        RuntimeError: the folder, its manifest or a file is missing, or a file's size or CRC differs.
+        CheckpointError: the folder, its manifest or a file is missing, or a file's size or CRC differs.
     """
     manifest_path = os.path.join(path, "manifest.json")
     if not os.path.isfile(manifest_path):
-        raise RuntimeError(f"checkpoint {path} is incomplete: it has no manifest.json (interrupted while writing?)")
+        raise CheckpointError(f"checkpoint {path} is incomplete: it has no manifest.json (interrupted while writing?)")
     try:
         with open(manifest_path) as handle:
             manifest = json.load(handle)
     except ValueError:
-        raise RuntimeError(f"checkpoint {path} is corrupt: manifest.json is unreadable (truncated?)") from None
+        raise CheckpointError(f"checkpoint {path} is corrupt: manifest.json is unreadable (truncated?)") from None
     if not isinstance(manifest, dict) or not manifest:
-        raise RuntimeError(f"checkpoint {path} is corrupt: manifest.json lists no files")
+        raise CheckpointError(f"checkpoint {path} is corrupt: manifest.json lists no files")
     for relative, expected in manifest.items():
         file = os.path.join(path, relative)
         if not os.path.isfile(file):
-            raise RuntimeError(f"checkpoint {path} is incomplete: {relative} is missing")
+            raise CheckpointError(f"checkpoint {path} is incomplete: {relative} is missing")
         actual = _manifest_entry(file)
         if actual != expected:
-            raise RuntimeError(
+            raise CheckpointError(
                 f"checkpoint {path} is corrupt: {relative} has {actual['bytes']} bytes (CRC {actual['crc32']}), "
                 f"the manifest says {expected['bytes']} bytes (CRC {expected['crc32']}); truncated or overwritten?"
             )
@@ -325,7 +329,7 @@ def read_client_state(load_dir: str, tag: str | None = None) -> dict:
     """The client state saved with a checkpoint (after verifying it), read without an engine.
 
     Raises:
-        FileNotFoundError: no such checkpoint. RuntimeError: it is incomplete or corrupt.
+        FileNotFoundError: no such checkpoint. CheckpointError: it is incomplete or corrupt.
     """
     path = _resolve(load_dir, tag)
     verify(path)
@@ -352,7 +356,7 @@ def _resolve(load_dir: str, tag: str | None) -> str:
         except UnicodeDecodeError:
             tag = ""
         if not tag or "/" in tag or tag.startswith("."):
-            raise RuntimeError(f"{latest} is corrupt: it should name a checkpoint folder, it holds {raw[:40]!r}; "
+            raise CheckpointError(f"{latest} is corrupt: it should name a checkpoint folder, it holds {raw[:40]!r}; "
                                "pass tag= to load a checkpoint by name")
     path = os.path.join(load_dir, str(tag))
     old = os.path.join(load_dir, f".{tag}.old")
@@ -379,7 +383,7 @@ def _checked_path(engine, load_dir: str, tag: str | None) -> str:
     if kind == "FileNotFoundError":
         raise FileNotFoundError(text)
     if kind != "ok":
-        raise RuntimeError(text)
+        raise CheckpointError(text)
     return text
 
 
@@ -449,7 +453,7 @@ def _boxes_to_read(engine, stored, with_optimizer: bool, per_element: list[str] 
         if entry is None:
             continue
         if tuple(entry.size) != tuple(buffer.shape):
-            raise RuntimeError(f"checkpoint holds buffer {name} with shape {list(entry.size)}, this model's is "
+            raise CheckpointError(f"checkpoint holds buffer {name} with shape {list(entry.size)}, this model's is "
                                f"{list(buffer.shape)}: it was saved from a different model")
         _add(boxes, f"buffer/{name}", tuple(buffer.shape), (0,) * buffer.dim(), buffer)
     return boxes, states
@@ -505,7 +509,7 @@ def _view_states_to_read(engine, unit, stored, boxes: Boxes) -> dict:
             _add(boxes, key, size, (0,) * len(size), value)
             state[key[len(prefix):]] = value
         if anything and not state:
-            raise RuntimeError(f"checkpoint holds no optimizer state for {_view_key(info)}: an "
+            raise CheckpointError(f"checkpoint holds no optimizer state for {_view_key(info)}: an "
                                "optimizer that steps on whole parameters (Adafactor, Muon) resumes from its own "
                                "states at the expert-parallel layout it saved at; load with "
                                "load_optimizer_states=False to start its state afresh")
@@ -521,7 +525,7 @@ def _agreed(problem: str | None, world_size: int) -> None:
         dist.all_gather_object(problems, problem)
     found = next((p for p in problems if p is not None), None)
     if found is not None:
-        raise RuntimeError(found)
+        raise CheckpointError(found)
 
 
 def load(engine, load_dir: str, tag: str | None, load_optimizer_states: bool = True,
@@ -535,18 +539,18 @@ def load(engine, load_dir: str, tag: str | None, load_optimizer_states: bool = T
     path = _checked_path(engine, load_dir, tag)
     meta = torch.load(os.path.join(path, "meta.pt"), weights_only=True)
     if meta.get("format") != _FORMAT:
-        raise RuntimeError(f"checkpoint {path} has format {meta.get('format')}, this version reads {_FORMAT}")
+        raise CheckpointError(f"checkpoint {path} has format {meta.get('format')}, this version reads {_FORMAT}")
     dcp, planners = _dcp()
     reader = dcp.FileSystemReader(path)
     metadata = reader.read_metadata()
     mismatch = _model_mismatch(engine, metadata.state_dict_metadata, path)
     if mismatch is not None:  # every rank raises it, before anything is read or overwritten
-        raise RuntimeError(mismatch)
+        raise CheckpointError(mismatch)
     problem = None
     try:
         boxes, states = _boxes_to_read(engine, metadata.state_dict_metadata, load_optimizer_states,
                                        meta.get("per_element_states"))
-    except RuntimeError as error:  # a rank's own finding: every rank raises it, before anything is read
+    except CheckpointError as error:  # a rank's own finding: every rank raises it, before anything is read
         problem = str(error)
     _agreed(problem, engine.world_size)
     with _single_process_quiet():

@@ -13,6 +13,7 @@ which instead scales the loss itself (and so also covers loss terms that bypass 
 """
 
 import contextlib
+import math
 import os
 import time
 import warnings
@@ -125,6 +126,9 @@ class Engine:
         self._skipped_last = False
         self.last_checkpoint: str | None = None  # the folder of the last checkpoint saved or loaded
         self._losses_finite = None  # whether this window's losses were finite (on the device; read only to explain a stop)
+        # whether the last step wrote inf or nan into weights or optimizer states (on the device), read with
+        # the next step's flag or before a checkpoint; and that step's number
+        self._written_bad, self._written_at = None, 0
         self._timers = {"forward": 0.0, "backward": 0.0, "step": 0.0}
         low = config.low_precision
         self.compute_dtype = _DTYPES.get(low, torch.float32)
@@ -153,6 +157,7 @@ class Engine:
         self._buckets = self._build_buckets()
         self.optimizer = ZeroOptimizer(*build_optimizer(config, optimizer, groups, self._units_by_group, client_state),
                                        engine=self)
+        self._check_learning_rates()
         self.lr_scheduler = self._build_scheduler(lr_scheduler)
         if isinstance(optimizer, torch.optim.Optimizer) and origins != list(range(len(user_groups))):
             follow_split(optimizer, self.lr_scheduler, origins, len(user_groups))
@@ -245,6 +250,16 @@ class Engine:
             groups = groups_for_name(info.group_name, info.data_before_expert)
             return (groups.edp_group if groups.edp_size > 1 else None), groups.edp_size, groups.edp_rank
         return dist.group.WORLD, self.world_size, self.rank
+
+    def _check_learning_rates(self) -> None:
+        """Refuse a learning rate that is not finite or beyond the range of the model's dtype: every step
+        would write inf into the weights."""
+        largest = torch.finfo(self.compute_dtype).max
+        for index, group in enumerate(self.optimizer.param_groups):
+            lr = float(group["lr"])
+            if not math.isfinite(lr) or abs(lr) > largest:
+                raise ValueError(f"param group {index}'s lr ({lr:g}) is beyond the range of the model's "
+                                 f"{str(self.compute_dtype).removeprefix('torch.')} (largest {largest:.4g})")
 
     def _build_scheduler(self, lr_scheduler):
         if lr_scheduler is not None:
@@ -392,6 +407,8 @@ class Engine:
         if self._skipped_last:
             self._grad_norm = None  # no norm is reported for a skipped step
             self._release_proxies()
+            if self._written_bad is not None:  # the previous step's writes: they cannot be skipped
+                self._stop_if_written_bad()
             if self.scaler is None and self.config.nonfinite == "stop":
                 self._stop_on_nonfinite(grads)
             self.skipped_steps += 1
@@ -424,6 +441,8 @@ class Engine:
             if unit.steps_on_copy:
                 unit.weights.copy_(unit.proxy.detach())
             unit.write_back()
+        if watch:  # finite gradients can still overflow what the step writes (a learning rate far too large)
+            self._written_bad, self._written_at = self._nonfinite_written(), self.global_steps + 1
         self._release_proxies()
         self.zero_grad()
         self._update_routers(skipped=False)
@@ -463,14 +482,42 @@ class Engine:
             f"changed; last checkpoint: {self.last_checkpoint or 'none'}. "
             'Set "nonfinite": "skip" in the engine config to skip such steps instead')
 
+    def _nonfinite_written(self) -> torch.Tensor:
+        """A device flag: 1 where this rank's weights (the model's copy and the master) or optimizer states
+        hold inf or nan after a step."""
+        written = [t for unit in self.units for t in unit.tensors()["parameters"] + unit.tensors()["master"]]
+        for unit in self.units:
+            for _, state in self.optimizer.unit_states(unit):
+                written += [value for value in state.values() if isinstance(value, torch.Tensor) and value.dim()]
+        return _nonfinite_flag(written, self.device)
+
+    def _written_went_bad(self) -> list[int]:
+        """The ranks whose last step wrote inf or nan (collective; a host read: on a stop's path only)."""
+        mine = self._written_bad is not None and bool(self._written_bad.item())
+        flags = [mine]
+        if self.world_size > 1:
+            flags = [None] * self.world_size
+            dist.all_gather_object(flags, mine)
+        return [rank for rank, bad in enumerate(flags) if bad]
+
+    def _stop_if_written_bad(self, saving: bool = False) -> None:
+        """Raise on every rank, naming the step and the last checkpoint, when the last step wrote inf or nan."""
+        ranks = self._written_went_bad()
+        if not ranks:
+            return
+        lrs = sorted({group["lr"] for group in self.optimizer.param_groups})
+        self.zero_grad()
+        raise FloatingPointError(
+            f"step {self._written_at}: the optimizer step wrote inf or nan into the weights or optimizer states on "
+            f"rank(s) {ranks} from finite gradients (is the learning rate, {', '.join(map(str, lrs))}, far too "
+            f"large?); {'the checkpoint was not written' if saving else 'training stopped'}; last checkpoint: "
+            f"{self.last_checkpoint or 'none'}")
+
     def _any_overflow(self, grads: list[torch.Tensor]) -> bool:
         """True when any rank's gradients hold inf or nan (agreed by all ranks): the step's one host read."""
-        flag = torch.zeros(1, device=self.device)
-        for g in grads:
-            if g.numel():  # min and max carry any nan or inf, without a temporary the size of g
-                low, high = torch.aminmax(g)
-                finite = torch.isfinite(low) & torch.isfinite(high)
-                flag = torch.maximum(flag, (~finite).to(flag.device, flag.dtype))
+        flag = _nonfinite_flag(grads, self.device)
+        if self._written_bad is not None:  # the previous step's writes, in the same read
+            flag = torch.maximum(flag, self._written_bad)
         if self.world_size > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return read_flag(flag)
@@ -500,6 +547,8 @@ class Engine:
             if unit.counts_once() and grad.numel():
                 norm = torch.linalg.vector_norm(grad, dtype=None if grad.dtype in _WIDE else torch.float32)
                 total += norm.double().square().to(self.device)
+        if self._written_bad is not None:  # the previous step's writes make the norm not finite: one read for both
+            total = torch.where(self._written_bad.bool().squeeze(), torch.full_like(total, math.inf), total)
         if self.world_size > 1:
             dist.all_reduce(total)
         return total.sqrt()
@@ -574,8 +623,14 @@ class Engine:
 
         Returns:
             the checkpoint's directory.
+
+        Raises:
+            FloatingPointError: the last step wrote inf or nan into the weights or optimizer states
+                (nothing is written; the message names the last checkpoint).
         """
         self._settle()
+        if self._written_bad is not None:  # never a checkpoint of weights that are not finite
+            self._stop_if_written_bad(saving=True)
         self.last_checkpoint = checkpoint.save(self, save_dir, tag, client_state or {}, save_latest)
         return self.last_checkpoint
 
@@ -608,6 +663,7 @@ class Engine:
         self._settle()
         path, client_state = checkpoint.load(self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states,
                                              load_module_only)
+        self._written_bad = None  # the weights are the checkpoint's now
         self.last_checkpoint = path
         return path, client_state
 
@@ -654,6 +710,17 @@ class Engine:
             fsdp.reshard(self.module)
         for unit in self.units:
             unit.refresh(self.module)
+
+
+def _nonfinite_flag(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """1.0 on `device` when any tensor holds inf or nan, else 0.0; no host read."""
+    flag = torch.zeros(1, device=device)
+    for tensor in tensors:
+        if tensor.numel():  # min and max carry any nan or inf, without a temporary the size of the tensor
+            low, high = torch.aminmax(tensor)
+            finite = torch.isfinite(low) & torch.isfinite(high)
+            flag = torch.maximum(flag, (~finite).to(flag.device, flag.dtype))
+    return flag
 
 
 def read_flag(flag: torch.Tensor) -> bool:

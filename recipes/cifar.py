@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moe import MoE, split_params_into_different_moe_groups_for_optimizer
-from optim import ConfigTypeError, initialize
+from optim import CheckpointError, ConfigTypeError, initialize
 from recipes import runner
 from recipes.cli import (built, engine_config, fail, keep_last_field, noisy_gate_policy, noisy_gate_policy_field,
                          require_at_least, resume_field, start_over_field)
@@ -263,7 +263,10 @@ def train(cfg: CifarConfig, given: set[str], rank: int, world: int) -> dict:
         raise SetupError(str(error)) from None
     first_epoch, path = 0, None
     if cfg.resume:
-        path, client = engine.load_checkpoint(cfg.checkpoint_dir)
+        try:
+            path, client = engine.load_checkpoint(cfg.checkpoint_dir)
+        except (CheckpointError, OSError) as error:  # refused on every rank: another model's, damaged, gone
+            raise SetupError(str(error)) from None
         first_epoch = client["epoch"]
     steps_per_epoch = len(train_x) // (cfg.batch_size * world)
     progress = Progress(cfg.epochs * steps_per_epoch, engine.global_steps, cfg.batch_size * world, "img", rank == 0)

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from moe import split_params_into_different_moe_groups_for_optimizer
-from optim import ConfigTypeError, initialize, read_client_state
+from optim import CheckpointError, ConfigTypeError, initialize, read_client_state
 from recipes import runner
 from recipes.cli import (built, engine_config, fail, flag_names, flag_parser, keep_last_field, noisy_gate_policy,
                          noisy_gate_policy_field, require_at_least, require_positive, resume_field, saved_recipe,
@@ -244,7 +244,10 @@ def train(cfg: TrainConfig, given: set[str], rank: int, world: int) -> dict:
     unigram = unigram_baseline(train_tokens, val_tokens)
     first_step, path = 0, None
     if cfg.resume:
-        path, _ = engine.load_checkpoint(cfg.checkpoint_dir)
+        try:
+            path, _ = engine.load_checkpoint(cfg.checkpoint_dir)
+        except (CheckpointError, OSError) as error:  # refused on every rank: another model's, damaged, gone
+            raise SetupError(str(error)) from None
         first_step = engine.global_steps
     tokens_per_step = cfg.batch_size * cfg.seq_len * engine.accumulation * world
     progress = Progress(cfg.steps, first_step, tokens_per_step, enabled=rank == 0)
@@ -405,7 +408,10 @@ def sample(argv: list[str]) -> dict:
     model = GPT(model_config(saved))
     engine, *_ = initialize(model, config={"train_micro_batch_size_per_gpu": 1,
                                            "optimizer": {"type": "AdamW", "params": {"lr": 0.0}}})
-    engine.load_checkpoint(cfg.checkpoint_dir, load_optimizer_states=False)
+    try:
+        engine.load_checkpoint(cfg.checkpoint_dir, load_optimizer_states=False)
+    except (CheckpointError, OSError) as error:
+        fail(parser, f"cannot read a recipes.gpt checkpoint from --checkpoint-dir {cfg.checkpoint_dir}: {error}")
     model.eval()
     prompt = torch.tensor([list(cfg.prompt.encode())], dtype=torch.long, device=engine.device)
     generator = torch.Generator(device=engine.device).manual_seed(cfg.seed)
