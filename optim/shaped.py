@@ -43,8 +43,8 @@ class ShapedViews:
                 raise ValueError(f"optimizer {name} reads each parameter's shape, but ZeRO stage {getattr(unit, 'stage', 3)} "
                                  "cuts parameters across ranks here; use stage 0 (or one process), or an "
                                  "elementwise optimizer (AdamW, Adam, SGD, ...)")
-            empty = {"dtype": unit.proxy.dtype, "device": unit.weights.device}
-            self.by_unit[id(unit)] = (unit, [(info, start, stop, nn.Parameter(torch.empty(0, **empty)))
+            dtype, device = unit.proxy.dtype, unit.weights.device
+            self.by_unit[id(unit)] = (unit, [(info, start, stop, nn.Parameter(torch.empty(0, dtype=dtype, device=device)))
                                              for info, start, stop in spans])
 
     def of(self, unit) -> list[tuple[object, nn.Parameter]]:
