@@ -1,7 +1,10 @@
 """Distributed initialisation: torchrun's environment, or DeepSpeed's init_method, rank and world_size."""
 
+import _thread
 import datetime
 import os
+import threading
+import time
 
 import torch
 import torch.distributed as dist
@@ -75,8 +78,47 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
                          "CUDA device); use backend 'gloo'")
     if backend == "nccl":
         torch.cuda.set_device(local_device())
-    dist.init_process_group(backend, timeout=timeout or datetime.timedelta(seconds=timeout_s), **explicit)
+    timeout = timeout or datetime.timedelta(seconds=timeout_s)
+    if not explicit.get("init_method") and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        explicit = {**explicit, **_attempt_store(timeout)}
+    dist.init_process_group(backend, timeout=timeout, **explicit)
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        _watch_agent()
     return dist.get_rank(), dist.get_world_size()
+
+
+def _attempt_store(timeout: datetime.timedelta) -> dict:
+    """The store, rank and world size for a group inside torchrun's shared store, its keys under this
+    attempt's restart count.
+
+    torchrun hands its workers the store its rendezvous used and keeps it across restarts; the keys a
+    group writes there (each rank's address) would outlive a killed attempt, and a restarted rank would
+    read the dead rank's address and fail to connect. A prefix per attempt keeps each attempt's keys
+    apart. (Every worker of one agent restarts with the same count; agents of several nodes restarted
+    by a membership change, not a failure, may count differently: set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
+    for torchrun there, so that each attempt gets a store of its own.)
+    """
+    shared = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return {"store": dist.PrefixStore(f"moe_attempt_{attempt}", shared),
+            "rank": int(os.environ["RANK"]), "world_size": int(os.environ["WORLD_SIZE"])}
+
+
+def _watch_agent() -> None:
+    """Never outlive the torchrun agent that started this process: torchrun starts its workers in
+    sessions of their own, so a killed agent leaves them running (holding a run's folder, or blocked in a
+    collective). A daemon thread interrupts the main thread once the parent is gone, and ends the
+    process if that has not ended it within 10 s."""
+    agent = os.getppid()
+
+    def watch():
+        while os.getppid() == agent:
+            time.sleep(1.0)
+        _thread.interrupt_main()  # KeyboardInterrupt in the main thread: its finally blocks run
+        time.sleep(10.0)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="watch-torchrun-agent", daemon=True).start()
 
 
 def local_device() -> torch.device:

@@ -138,6 +138,12 @@ def parse_config(parser: argparse.ArgumentParser, config_class, argv: list[str] 
     earlier = earlier[0]
     if cfg.resume and cfg.start_over:
         fail(parser, "--start-over and --resume cannot be combined: start over, or resume")
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    if restart and folder:  # torchrun restarted this run: it goes on from what its first attempt wrote
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            print(f"torchrun restart {restart}: {'resuming from ' + _latest(folder) if earlier else 'starting again'} "
+                  f"in --checkpoint-dir {folder}", flush=True)
+        cfg.resume, cfg.start_over = "auto", False
     if cfg.resume == "auto":  # a restarted run (torchrun --max-restarts) continues; a first run starts
         cfg.resume = "yes" if earlier else ""
     if not cfg.resume:

@@ -7,6 +7,7 @@ import shutil
 import socket
 import sys
 import time
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -134,21 +135,28 @@ def claim_for_run(folder: str, rank: int) -> bool:
 def claim_checkpoint_dir(folder: str) -> None:
     """Make this process the folder's one writer (rank 0 calls it before training), or raise SetupError.
 
-    The lock file names the host and process; one left by a process of this host that no longer runs
-    (a run that was killed, restarted by torchrun) is taken over. Interrupted saves (`.<tag>.partial`,
+    The lock file names the host and process (and, under torchrun, its agent); one left by a process of
+    this host that no longer runs, or whose agent no longer runs (a run that was killed, restarted by
+    torchrun), is taken over with a warning. Interrupted saves (`.<tag>.partial`,
     and `.<tag>.old` beside a whole `<tag>`) are removed.
     """
     os.makedirs(folder, exist_ok=True)
-    path, me = os.path.join(folder, _LOCK), f"{socket.gethostname()} {os.getpid()}"
+    # under torchrun the lock also names the agent (this process's parent), whose end ends the run
+    agent = f" {os.getppid()}" if "TORCHELASTIC_RUN_ID" in os.environ else ""
+    path, me = os.path.join(folder, _LOCK), f"{socket.gethostname()} {os.getpid()}{agent}"
     for _ in range(2):
         try:
             handle = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
         except FileExistsError:
             with open(path) as existing:
                 holder = existing.read().strip()
-            host, _, pid = holder.partition(" ")
-            if host == socket.gethostname() and pid.isdigit() and (int(pid) == os.getpid() or not _alive(int(pid))):
-                os.remove(path)  # its writer is gone
+            host, pid, *parent = holder.split(" ") + [""]
+            gone = _gone(pid) or (parent[0] != "" and _gone(parent[0]))
+            if host == socket.gethostname() and pid.isdigit() and (int(pid) == os.getpid() or gone):
+                if int(pid) != os.getpid():
+                    warnings.warn(f"--checkpoint-dir {folder}: taking over the lock of process {pid}, whose run "
+                                  "ended without releasing it", stacklevel=3)
+                os.remove(path)
                 continue
             raise SetupError(f"--checkpoint-dir {folder} is being written by another run (host {host}, process "
                              f"{pid}); stop that run, or remove {path} if it is not running") from None
@@ -166,7 +174,7 @@ def release_checkpoint_dir(folder: str) -> None:
     """Remove this process's lock (at the end of a run)."""
     try:
         with open(os.path.join(folder, _LOCK)) as existing:
-            mine = existing.read().strip() == f"{socket.gethostname()} {os.getpid()}"
+            mine = existing.read().strip().split(" ")[:2] == [socket.gethostname(), str(os.getpid())]
         if mine:
             os.remove(os.path.join(folder, _LOCK))
     except OSError:
@@ -188,6 +196,11 @@ def prune_checkpoints(folder: str, keep_last: int) -> list[str]:
     for name in doomed:
         shutil.rmtree(os.path.join(folder, name), ignore_errors=True)
     return doomed
+
+
+def _gone(pid: str) -> bool:
+    """Whether the process `pid` (digits) of this host has ended."""
+    return pid.isdigit() and not _alive(int(pid))
 
 
 def _alive(pid: int) -> bool:

@@ -4,7 +4,8 @@
     DIE_AT=step:25 torchrun ... -m tests.recipes.dying_rank <recipes.gpt flags>   # inside step 25's optimizer step
 
 `save:N`: after the checkpoint's files are written into `.global_stepN.partial`, before its manifest
-and renames. `step:N`: after step N's backward, before its gradients are reduced and applied.
+and renames. `step:N`: after step N's backward, before its gradients are reduced and applied. Only
+torchrun's first attempt dies: a restarted one (`--max-restarts`) runs through.
 """
 
 import os
@@ -27,7 +28,7 @@ def _die_when(condition, function):
 def main() -> None:
     where, step = os.environ["DIE_AT"].split(":")
     step = int(step)
-    if int(os.environ.get("RANK", "0")) == 1:
+    if int(os.environ.get("RANK", "0")) == 1 and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
         if where == "save":  # every rank records its RNG state once DCP has written its files
             engine_of = {}
             original_save = checkpoint.save

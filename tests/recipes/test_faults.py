@@ -116,3 +116,55 @@ def test_nonfinite_off_reads_nothing_and_saves_what_it_has(tmp_path):
     engine, model = _overflowing_engine("off")
     engine.save_checkpoint(str(tmp_path), tag="as_asked")  # "off" does not look, as documented
     assert (tmp_path / "as_asked").is_dir() and not math.isfinite(float(model.inp.weight.detach().abs().max()))
+
+
+def test_a_lock_left_by_an_ended_process_or_agent_is_taken_over_with_a_warning(tmp_path):
+    import socket
+
+    from recipes.training import SetupError, claim_checkpoint_dir, release_checkpoint_dir
+
+    lock, host = tmp_path / ".writer.lock", socket.gethostname()
+    ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    gone = ended.stdout.strip()
+    alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        for holder in (f"{host} {gone}", f"{host} {alive.pid} {gone}"):  # its process, or its torchrun agent, ended
+            lock.write_text(holder)
+            with pytest.warns(UserWarning, match=r"taking over the lock of process \d+, whose run ended"):
+                claim_checkpoint_dir(str(tmp_path))
+            release_checkpoint_dir(str(tmp_path))
+            assert not lock.exists()
+        lock.write_text(f"{host} {alive.pid}")  # a running writer keeps its folder
+        with pytest.raises(SetupError, match=rf"is being written by another run \(host {host}, process {alive.pid}\)"):
+            claim_checkpoint_dir(str(tmp_path))
+    finally:
+        alive.kill()
+        alive.wait()
+
+
+def test_workers_end_with_their_torchrun_agent_and_release_the_folder(tmp_path):
+    """SIGKILL to torchrun's agent: its workers (in sessions of their own) notice, stop, release the lock."""
+    import os
+    import signal
+    import time
+
+    folder = tmp_path / "ckpt"
+    agent = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "recipes.gpt",
+         *TINY, "--steps", "100000", "--checkpoint-interval", "5", "--checkpoint-dir", str(folder),
+         "--log-dir", str(tmp_path / "runs")], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 120
+        while not (folder / "latest").exists() and time.time() < deadline:
+            time.sleep(0.5)
+        assert (folder / "latest").exists() and (folder / ".writer.lock").exists()
+        os.kill(agent.pid, signal.SIGKILL)
+        agent.wait()
+        deadline = time.time() + 20
+        while subprocess.run(["pgrep", "-f", str(folder)], capture_output=True).returncode == 0 and \
+                time.time() < deadline:
+            time.sleep(0.5)
+        assert subprocess.run(["pgrep", "-f", str(folder)], capture_output=True).returncode == 1, "workers outlived it"
+        assert not (folder / ".writer.lock").exists()
+    finally:
+        subprocess.run(["pkill", "-9", "-f", str(folder)])
