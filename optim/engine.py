@@ -128,7 +128,7 @@ class Engine:
         self._losses_finite = None  # whether this window's losses were finite (on the device; read only to explain a stop)
         # whether the last step wrote inf or nan into weights or optimizer states (on the device), read with
         # the next step's flag or before a checkpoint; and that step's number
-        self._written_bad, self._written_at = None, 0
+        self._written_bad, self._written_at, self._written_seen = None, 0, False
         self._timers = {"forward": 0.0, "backward": 0.0, "step": 0.0}
         low = config.low_precision
         self.compute_dtype = _DTYPES.get(low, torch.float32)
@@ -157,8 +157,8 @@ class Engine:
         self._buckets = self._build_buckets()
         self.optimizer = ZeroOptimizer(*build_optimizer(config, optimizer, groups, self._units_by_group, client_state),
                                        engine=self)
-        self._check_learning_rates()
         self.lr_scheduler = self._build_scheduler(lr_scheduler)
+        self._check_learning_rates()
         if isinstance(optimizer, torch.optim.Optimizer) and origins != list(range(len(user_groups))):
             follow_split(optimizer, self.lr_scheduler, origins, len(user_groups))
         self.scaler = LossScaler(LossScalerConfig(
@@ -254,12 +254,22 @@ class Engine:
     def _check_learning_rates(self) -> None:
         """Refuse a learning rate that is not finite or beyond the range of the model's dtype: every step
         would write inf into the weights."""
-        largest = torch.finfo(self.compute_dtype).max
-        for index, group in enumerate(self.optimizer.param_groups):
-            lr = float(group["lr"])
-            if not math.isfinite(lr) or abs(lr) > largest:
-                raise ValueError(f"param group {index}'s lr ({lr:g}) is beyond the range of the model's "
-                                 f"{str(self.compute_dtype).removeprefix('torch.')} (largest {largest:.4g})")
+        largest, dtype = torch.finfo(self.compute_dtype).max, str(self.compute_dtype).removeprefix("torch.")
+        # the groups' rates, those a schedule started from (base_lrs, initial_lr: the rate before its
+        # warm-up), then its own (warmup_max_lr, max_lrs, ...), which it reaches later
+        groups = self.optimizer.param_groups
+        rates = [(f"param group {index}'s lr", group[key]) for index, group in enumerate(groups)
+                 for key in ("initial_lr", "lr") if key in group]
+        for name, value in (vars(self.lr_scheduler) if self.lr_scheduler is not None else {}).items():
+            values = value if isinstance(value, (list, tuple)) else [value]
+            if "lr" in name and name != "_last_lr":
+                rates += [(f"param group {index}'s lr" if name == "base_lrs" else f"the schedule's {name}", lr)
+                          for index, lr in enumerate(values)
+                          if isinstance(lr, (int, float)) and not isinstance(lr, bool)]
+        for what, lr in rates:
+            if not math.isfinite(float(lr)) or abs(float(lr)) > largest:
+                raise ValueError(f"{what} ({float(lr):g}) is beyond the range of the model's {dtype} "
+                                 f"(largest {largest:.4g})")
 
     def _build_scheduler(self, lr_scheduler):
         if lr_scheduler is not None:
@@ -388,6 +398,7 @@ class Engine:
 
     def _optimizer_step(self) -> None:
         self._grad_norm = None
+        self._written_seen = False
         for unit in self.units:
             unit.refresh(self.module)
             unit.reduce()
@@ -401,13 +412,13 @@ class Engine:
             # norm that is not finite (also reached from huge finite values) is checked element by element
             proxies = self._prepare_proxies(grads)
             self._grad_norm = self._global_norm()
-            self._skipped_last = read_flag(~torch.isfinite(self._grad_norm)) and self._any_overflow(grads)
+            self._skipped_last = bool(read_flag(~torch.isfinite(self._grad_norm))) and self._any_overflow(grads)
         else:
             self._skipped_last = watch and self._any_overflow(grads)
         if self._skipped_last:
             self._grad_norm = None  # no norm is reported for a skipped step
             self._release_proxies()
-            if self._written_bad is not None:  # the previous step's writes: they cannot be skipped
+            if self._written_seen:  # the previous step's writes: they cannot be skipped
                 self._stop_if_written_bad()
             if self.scaler is None and self.config.nonfinite == "stop":
                 self._stop_on_nonfinite(grads)
@@ -483,9 +494,9 @@ class Engine:
             'Set "nonfinite": "skip" in the engine config to skip such steps instead')
 
     def _nonfinite_written(self) -> torch.Tensor:
-        """A device flag: 1 where this rank's weights (the model's copy and the master) or optimizer states
-        hold inf or nan after a step."""
-        written = [t for unit in self.units for t in unit.tensors()["parameters"] + unit.tensors()["master"]]
+        """A device flag: 1 where what this rank's step wrote (its piece of the weights, in the model's
+        dtype and as the master, and its optimizer states) holds inf or nan."""
+        written = [t for unit in self.units for t in _own_writes(unit)]
         for unit in self.units:
             for _, state in self.optimizer.unit_states(unit):
                 written += [value for value in state.values() if isinstance(value, torch.Tensor) and value.dim()]
@@ -514,13 +525,17 @@ class Engine:
             f"{self.last_checkpoint or 'none'}")
 
     def _any_overflow(self, grads: list[torch.Tensor]) -> bool:
-        """True when any rank's gradients hold inf or nan (agreed by all ranks): the step's one host read."""
+        """True when any rank's gradients hold inf or nan, or its previous step wrote them (agreed by all
+        ranks): the step's one host read. The flag is 1 for gradients, 2 for the previous step's writes
+        (`_written_seen`), max-reduced: the writes, which stop the run, outrank the gradients."""
         flag = _nonfinite_flag(grads, self.device)
-        if self._written_bad is not None:  # the previous step's writes, in the same read
-            flag = torch.maximum(flag, self._written_bad)
+        if self._written_bad is not None:
+            flag = torch.maximum(flag, 2 * self._written_bad)
         if self.world_size > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return read_flag(flag)
+        value = read_flag(flag)
+        self._written_seen = value >= 2
+        return bool(value)
 
     def _prepare_proxies(self, grads: list[torch.Tensor]) -> list[nn.Parameter]:
         """Give each proxy its gradient in the optimizer's dtype and device, unscaled."""
@@ -663,7 +678,8 @@ class Engine:
         self._settle()
         path, client_state = checkpoint.load(self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states,
                                              load_module_only)
-        self._written_bad = None  # the weights are the checkpoint's now
+        if self._written_bad is not None:  # the weights are the checkpoint's now (the states may not be)
+            self._written_bad = self._nonfinite_written()
         self.last_checkpoint = path
         return path, client_state
 
@@ -723,9 +739,17 @@ def _nonfinite_flag(tensors: list[torch.Tensor], device: torch.device) -> torch.
     return flag
 
 
-def read_flag(flag: torch.Tensor) -> bool:
-    """A device flag read on the host (a sync); the one place the engine's step reads a device value."""
-    return bool(flag.item())
+def _own_writes(unit) -> list[torch.Tensor]:
+    """What a unit's step writes on this rank: its weights, and its slice of the model's copy when the
+    master is separate (a cast to fp16 can overflow where the fp32 master does not)."""
+    if getattr(unit, "separate", False):
+        return [unit.weights, unit.flat[unit.lo:unit.lo + unit.shard]]
+    return [unit.weights]
+
+
+def read_flag(flag: torch.Tensor) -> float:
+    """A device flag's value read on the host (a sync); the one place the engine's step reads a device value."""
+    return float(flag.item())
 
 
 def initialize(model: nn.Module = None, model_parameters=None, config=None, training_data=None, optimizer=None,

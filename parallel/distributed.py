@@ -3,6 +3,7 @@
 import _thread
 import datetime
 import os
+import signal
 import threading
 import time
 
@@ -80,7 +81,7 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
         torch.cuda.set_device(local_device())
     timeout = timeout or datetime.timedelta(seconds=timeout_s)
     if not explicit.get("init_method") and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-        explicit = {**explicit, **_attempt_store(timeout)}
+        explicit = {**_attempt_store(timeout), **explicit}
     dist.init_process_group(backend, timeout=timeout, **explicit)
     if "TORCHELASTIC_RUN_ID" in os.environ:
         _watch_agent()
@@ -94,10 +95,17 @@ def _attempt_store(timeout: datetime.timedelta) -> dict:
     torchrun hands its workers the store its rendezvous used and keeps it across restarts; the keys a
     group writes there (each rank's address) would outlive a killed attempt, and a restarted rank would
     read the dead rank's address and fail to connect. A prefix per attempt keeps each attempt's keys
-    apart. (Every worker of one agent restarts with the same count; agents of several nodes restarted
-    by a membership change, not a failure, may count differently: set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
-    for torchrun there, so that each attempt gets a store of its own.)
+    apart. Every worker of one agent restarts with the same count; the agents of several nodes do not
+    (only the failing one counts a failure), so with several nodes and restarts this fails, asking for
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, under which each attempt gets a store of its own.
+
+    Raises:
+        ValueError: several nodes with --max-restarts on torchrun's shared store.
     """
+    if int(os.environ.get("GROUP_WORLD_SIZE", "1")) > 1 and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0:
+        raise ValueError("torchrun with several nodes and --max-restarts shares its rendezvous store with the "
+                         "workers, and its agents count restarts apart, so a restarted group could not form: launch "
+                         "with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in torchrun's environment")
     shared = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     return {"store": dist.PrefixStore(f"moe_attempt_{attempt}", shared),
@@ -110,6 +118,8 @@ def _watch_agent() -> None:
     collective). A daemon thread interrupts the main thread once the parent is gone, and ends the
     process if that has not ended it within 10 s."""
     agent = os.getppid()
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # under nohup: interrupt_main would do nothing
 
     def watch():
         while os.getppid() == agent:

@@ -121,6 +121,29 @@ def _copy_suppressed(action: argparse.Action) -> argparse.Action:
     return clone
 
 
+_STARTED = ".torchrun_job"  # in a checkpoint folder: the torchrun job (run id) whose first attempt set it up
+
+
+def mark_started(folder: str) -> None:
+    """Under torchrun, record in `folder` that this job's first attempt passed its checks and claimed it."""
+    if folder and "TORCHELASTIC_RUN_ID" in os.environ and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+        with open(os.path.join(folder, _STARTED), "w") as handle:
+            handle.write(os.environ["TORCHELASTIC_RUN_ID"])
+
+
+def started_here(folder: str) -> bool:
+    """Whether this torchrun job's first attempt set `folder` up (so a restart continues it), on every rank
+    as rank 0 sees it. A restart of an attempt that was refused (an earlier run there) is refused again."""
+    try:
+        with open(os.path.join(folder, _STARTED)) as handle:
+            mine = [handle.read().strip() == os.environ.get("TORCHELASTIC_RUN_ID")]
+    except OSError:
+        mine = [False]
+    if dist.is_initialized():
+        dist.broadcast_object_list(mine, src=0)
+    return mine[0]
+
+
 def parse_config(parser: argparse.ArgumentParser, config_class, argv: list[str] | None):
     """The recipe config and the flags written out; with --resume, the checkpoint's config under them.
 
@@ -139,7 +162,7 @@ def parse_config(parser: argparse.ArgumentParser, config_class, argv: list[str] 
     if cfg.resume and cfg.start_over:
         fail(parser, "--start-over and --resume cannot be combined: start over, or resume")
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
-    if restart and folder:  # torchrun restarted this run: it goes on from what its first attempt wrote
+    if restart and folder and started_here(folder):  # torchrun restarted this run: on from what it wrote
         if not dist.is_initialized() or dist.get_rank() == 0:
             print(f"torchrun restart {restart}: {'resuming from ' + _latest(folder) if earlier else 'starting again'} "
                   f"in --checkpoint-dir {folder}", flush=True)

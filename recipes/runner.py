@@ -19,7 +19,7 @@ from typing import Callable
 import torch.distributed as dist
 
 from parallel import init_distributed
-from recipes.cli import fail, flag_parser, parse_config, require_at_least
+from recipes.cli import fail, flag_parser, mark_started, parse_config, require_at_least
 from recipes.training import SetupError, claim_for_run, release_checkpoint_dir
 
 
@@ -89,6 +89,8 @@ def main(recipe: Recipe, argv: list[str] | None = None) -> dict:
     claimed = False
     try:
         claimed = claim_for_run(cfg.checkpoint_dir, rank)  # one writer per checkpoint folder
+        if claimed:
+            mark_started(cfg.checkpoint_dir)  # a torchrun restart of this job continues it
         result = recipe.train(cfg, given, rank, world)
         if dist.is_initialized():
             dist.barrier()  # no rank tears its group down while a peer's last exchange is in flight

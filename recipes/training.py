@@ -136,8 +136,8 @@ def claim_checkpoint_dir(folder: str) -> None:
     """Make this process the folder's one writer (rank 0 calls it before training), or raise SetupError.
 
     The lock file names the host and process (and, under torchrun, its agent); one left by a process of
-    this host that no longer runs, or whose agent no longer runs (a run that was killed, restarted by
-    torchrun), is taken over with a warning. Interrupted saves (`.<tag>.partial`,
+    this host that no longer runs (a run that was killed, restarted by torchrun) is taken over with a
+    warning, and one whose agent no longer runs once its process has stopped too (within 15 s). Interrupted saves (`.<tag>.partial`,
     and `.<tag>.old` beside a whole `<tag>`) are removed.
     """
     os.makedirs(folder, exist_ok=True)
@@ -150,9 +150,13 @@ def claim_checkpoint_dir(folder: str) -> None:
         except FileExistsError:
             with open(path) as existing:
                 holder = existing.read().strip()
-            host, pid, *parent = holder.split(" ") + [""]
-            gone = _gone(pid) or (parent[0] != "" and _gone(parent[0]))
-            if host == socket.gethostname() and pid.isdigit() and (int(pid) == os.getpid() or gone):
+            host, pid, agent_pid = (holder.split() + ["", "", ""])[:3]
+            if not pid.isdigit():  # written by a process killed between creating the lock and writing it
+                os.remove(path)
+                continue
+            if host == socket.gethostname() and agent_pid and _gone(agent_pid) and not _gone(pid):
+                _wait_until_gone(int(pid), 15.0)  # its agent ended: it stops within seconds (parallel.distributed)
+            if host == socket.gethostname() and (int(pid) == os.getpid() or _gone(pid)):
                 if int(pid) != os.getpid():
                     warnings.warn(f"--checkpoint-dir {folder}: taking over the lock of process {pid}, whose run "
                                   "ended without releasing it", stacklevel=3)
@@ -196,6 +200,12 @@ def prune_checkpoints(folder: str, keep_last: int) -> list[str]:
     for name in doomed:
         shutil.rmtree(os.path.join(folder, name), ignore_errors=True)
     return doomed
+
+
+def _wait_until_gone(pid: int, seconds: float) -> None:
+    deadline = time.time() + seconds
+    while _alive(pid) and time.time() < deadline:
+        time.sleep(0.2)
 
 
 def _gone(pid: str) -> bool:

@@ -86,6 +86,13 @@ def test_a_learning_rate_beyond_the_dtype_is_refused_up_front(tmp_path, flags, m
     assert re.search(message, err), err
 
 
+def test_a_schedules_own_rate_beyond_the_dtype_is_refused():
+    schedule = {"type": "WarmupLR", "params": {"warmup_max_lr": 1e39, "warmup_num_steps": 5}}
+    with pytest.raises(ValueError, match=r"the schedule's max_lrs \(1e\+39\) is beyond the range of the model's "
+                                         r"float32"):
+        initialize(model=Net(), config={**config(0, 1, 0.0), "scheduler": schedule})
+
+
 def _overflowing_engine(nonfinite):
     model = Net()
     engine, *_ = initialize(model=model, config={**config(0, 1, 0.0, {"type": "SGD", "params": {"lr": 1e38}}),
@@ -126,20 +133,37 @@ def test_a_lock_left_by_an_ended_process_or_agent_is_taken_over_with_a_warning(t
     lock, host = tmp_path / ".writer.lock", socket.gethostname()
     ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     gone = ended.stdout.strip()
+    # a worker whose agent died: not this test's child (a child would linger as a zombie), it stops in 2 s
+    stopping = subprocess.run(["sh", "-c", "sleep 2 >/dev/null & echo $!"], capture_output=True, text=True).stdout.strip()
     alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
-        for holder in (f"{host} {gone}", f"{host} {alive.pid} {gone}"):  # its process, or its torchrun agent, ended
+        for holder in (f"{host} {gone}", f"{host} {stopping} {gone}"):  # its process, or agent and process, ended
             lock.write_text(holder)
             with pytest.warns(UserWarning, match=r"taking over the lock of process \d+, whose run ended"):
                 claim_checkpoint_dir(str(tmp_path))
             release_checkpoint_dir(str(tmp_path))
             assert not lock.exists()
+        lock.write_text("")  # a writer killed between creating its lock and writing it
+        claim_checkpoint_dir(str(tmp_path))
+        release_checkpoint_dir(str(tmp_path))
         lock.write_text(f"{host} {alive.pid}")  # a running writer keeps its folder
         with pytest.raises(SetupError, match=rf"is being written by another run \(host {host}, process {alive.pid}\)"):
             claim_checkpoint_dir(str(tmp_path))
     finally:
         alive.kill()
         alive.wait()
+
+
+def test_a_restart_of_a_refused_attempt_is_refused_again(saved_run):
+    """An earlier run in the folder and no --resume: torchrun's restart must not quietly continue it."""
+    before = (saved_run / "ckpt" / "latest").read_text()
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "--max-restarts", "1",
+         "-m", "recipes.gpt", *TINY, "--steps", "4", "--checkpoint-dir", str(saved_run / "ckpt"),
+         "--log-dir", str(saved_run / "runs4")], capture_output=True, text=True, timeout=240)
+    refusals = [line for line in done.stderr.splitlines() if "holds an earlier run" in line]
+    assert done.returncode != 0 and len(refusals) == 4, done.stderr[-3000:]  # 2 ranks, 2 attempts
+    assert "torchrun restart" not in done.stdout and (saved_run / "ckpt" / "latest").read_text() == before
 
 
 def test_workers_end_with_their_torchrun_agent_and_release_the_folder(tmp_path):

@@ -701,14 +701,31 @@ def test_a_corrupt_latest_or_manifest_is_named(tmp_path, capsys):
     assert code == 2 and len(err.splitlines()) == 1 and "manifest.json lists no files" in err, err
 
 
-def _torchrun_restarting(die_at: str, *args: str) -> subprocess.CompletedProcess:
-    """Two ranks under `torchrun --max-restarts 1`; rank 1 of the first attempt dies at `die_at`."""
+def _torchrun_restarting(die_at: str, folder: pathlib.Path, *args: str) -> tuple[str, list[str]]:
+    """Two ranks under `torchrun --max-restarts 1`; rank 1 of the first attempt dies at `die_at`.
+    Returns the job's output and every value `latest` had while it ran (polled)."""
+    import tempfile
+    import time
+
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-               "--max-restarts", "1", "-m", "tests.recipes.dying_rank", *args]
-    done = subprocess.run(command, check=False, capture_output=True, text=True, timeout=240,
-                          env={**os.environ, "DIE_AT": die_at})
-    assert done.returncode == 0, f"DIE_AT={die_at}\n" + done.stdout[-3000:] + done.stderr[-3000:]
-    return done
+               "--max-restarts", "1", "-m", "tests.recipes.dying_rank", *args, "--checkpoint-dir", str(folder)]
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        job = subprocess.Popen(command, stdout=out, stderr=err, text=True, env={**os.environ, "DIE_AT": die_at})
+        seen, deadline = [], time.time() + 240
+        while job.poll() is None and time.time() < deadline:
+            latest = folder / "latest"
+            value = latest.read_text() if latest.exists() else None
+            if value and (not seen or seen[-1] != value):
+                seen.append(value)
+            time.sleep(0.02)
+        if job.poll() is None:
+            job.kill()
+        job.wait()
+        out.seek(0)
+        err.seek(0)
+        stdout, stderr = out.read(), err.read()
+    assert job.returncode == 0, f"DIE_AT={die_at}\n" + stdout[-3000:] + stderr[-3000:]
+    return stdout, seen
 
 
 RESTARTED = GPT_TINY + ["--ep-world-size", "2", "--stage", "2", "--steps", "30", "--log-interval", "5",
@@ -732,10 +749,12 @@ def test_torchrun_restarts_a_run_that_lost_a_rank_and_it_ends_as_if_never_interr
 
     straight_folder, straight = uninterrupted
     folder = tmp_path / "faulty"
-    done = _torchrun_restarting(die_at, *RESTARTED, "--checkpoint-dir", str(folder))
-    assert f"torchrun restart 1: resuming from global_step{resumed_from} in --checkpoint-dir {folder}" in done.stdout
-    assert f"resumed from {folder / f'global_step{resumed_from}'} at step {resumed_from}" in done.stdout
-    logged = _logged_losses(done.stdout)  # the first attempt's lines, then the restarted one's
+    stdout, seen = _torchrun_restarting(die_at, folder, *RESTARTED)
+    assert f"torchrun restart 1: resuming from global_step{resumed_from} in --checkpoint-dir {folder}" in stdout
+    assert f"resumed from {folder / f'global_step{resumed_from}'} at step {resumed_from}" in stdout
+    steps = [int(value.removeprefix("global_step")) for value in seen]
+    assert steps == sorted(steps) and steps[-1] == 30, seen  # `latest` never named an older checkpoint
+    logged = _logged_losses(stdout)  # the first attempt's lines, then the restarted one's
     assert logged.keys() == straight.keys() == {5, 10, 15, 20, 25, 30}
     assert list(logged.values()) == pytest.approx([straight[s] for s in logged], abs=1e-4)  # 4 printed digits
     assert (folder / "latest").read_text() == "global_step30"
