@@ -15,7 +15,7 @@ group's master weights. It comes from one of three places:
 
 `ZeroOptimizer` is what `initialize` returns and `engine.optimizer` is: a torch `Optimizer` that
 forwards to the optimizer above and answers what scripts read of DeepSpeed's ZeRO wrapper
-(`.optimizer`, `.loss_scale`, `.cur_scale`).
+(`.optimizer`, `.loss_scale`, `.cur_scale`, `.overflow`).
 """
 
 import warnings
