@@ -23,11 +23,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from optim import checkpoint, fsdp
+from optim import checkpoint, fsdp, nonfinite
 from optim.buckets import GradientBuckets, release_hooks
 from optim.config import EngineConfig, parse_config
 from optim.memory import model_state_bytes
 from optim.monitor import Monitor, StepStats
+from optim.nonfinite import NonfiniteGuard
 from optim.optimizer import ZeroOptimizer, build_optimizer, check_client_optimizer, follow_split
 from optim.scaler import LossScaler, LossScalerConfig
 from optim.schedulers import build_scheduler
@@ -125,10 +126,7 @@ class Engine:
         self._in_engine_backward = False
         self._skipped_last = False
         self.last_checkpoint: str | None = None  # the folder of the last checkpoint saved or loaded
-        self._losses_finite = None  # whether this window's losses were finite (on the device; read only to explain a stop)
-        # whether the last step wrote inf or nan into weights or optimizer states (on the device), read with
-        # the next step's flag or before a checkpoint; and that step's number
-        self._written_bad, self._written_at, self._written_seen = None, 0, False
+        self._guard = NonfiniteGuard(self.world_size, self.device)  # inf and nan in losses, gradients and writes
         self._timers = {"forward": 0.0, "backward": 0.0, "step": 0.0}
         low = config.low_precision
         self.compute_dtype = _DTYPES.get(low, torch.float32)
@@ -332,8 +330,7 @@ class Engine:
             (loss.float() * self._grad_factor()).backward(retain_graph=retain_graph)
         finally:
             self._in_engine_backward = False
-        finite = torch.isfinite(loss.detach()).all()
-        self._losses_finite = finite if self._losses_finite is None else self._losses_finite & finite
+        self._guard.add_loss(loss)
         if self._stats is not None and loss.numel() == 1:
             self._stats.add_loss(loss)
         self._timers["backward"] += time.perf_counter() - start
@@ -398,7 +395,6 @@ class Engine:
 
     def _optimizer_step(self) -> None:
         self._grad_norm = None
-        self._written_seen = False
         for unit in self.units:
             unit.refresh(self.module)
             unit.reduce()
@@ -412,14 +408,15 @@ class Engine:
             # norm that is not finite (also reached from huge finite values) is checked element by element
             proxies = self._prepare_proxies(grads)
             self._grad_norm = self._global_norm()
-            self._skipped_last = bool(read_flag(~torch.isfinite(self._grad_norm))) and self._any_overflow(grads)
+            self._skipped_last = bool(nonfinite.read_flag(~torch.isfinite(self._grad_norm))) \
+                and self._guard.any_overflow(grads)
         else:
-            self._skipped_last = watch and self._any_overflow(grads)
+            self._skipped_last = watch and self._guard.any_overflow(grads)
         if self._skipped_last:
             self._grad_norm = None  # no norm is reported for a skipped step
             self._release_proxies()
-            if self._written_seen:  # the previous step's writes: they cannot be skipped
-                self._stop_if_written_bad()
+            if self._guard.written_seen:  # the previous step's writes: they cannot be skipped
+                self._stop_if_writes_went_bad(saving=False)
             if self.scaler is None and self.config.nonfinite == "stop":
                 self._stop_on_nonfinite(grads)
             self.skipped_steps += 1
@@ -453,7 +450,7 @@ class Engine:
                 unit.weights.copy_(unit.proxy.detach())
             unit.write_back()
         if watch:  # finite gradients can still overflow what the step writes (a learning rate far too large)
-            self._written_bad, self._written_at = self._nonfinite_written(), self.global_steps + 1
+            self._guard.record_writes(self._written_tensors(), self.global_steps + 1)
         self._release_proxies()
         self.zero_grad()
         self._update_routers(skipped=False)
@@ -476,66 +473,30 @@ class Engine:
             router.update_routing(skipped=skipped)
 
     def _stop_on_nonfinite(self, grads: list[torch.Tensor]) -> None:
-        """Raise, on every rank, naming the step, the ranks whose gradients are not finite and the last checkpoint."""
-        mine = (self._losses_finite is not None and not bool(self._losses_finite),
-                any(bool((~torch.isfinite(g)).any()) for g in grads if g.numel()))
-        flags = [mine]
-        if self.world_size > 1:
-            flags = [None] * self.world_size
-            dist.all_gather_object(flags, mine)
-        losses = [r for r, (loss, _) in enumerate(flags) if loss]
-        where = (f"the loss was inf or nan on rank(s) {losses}" if losses else
-                 f"the gradients hold inf or nan on rank(s) {[r for r, (_, grad) in enumerate(flags) if grad]}")
-        self.zero_grad()
-        self._update_routers(skipped=True)  # the window's routing counts go with its gradients
-        raise FloatingPointError(
-            f"step {self.global_steps + 1}: {where} (diverged? lower the learning rate); the weights were not "
-            f"changed; last checkpoint: {self.last_checkpoint or 'none'}. "
-            'Set "nonfinite": "skip" in the engine config to skip such steps instead')
+        """Raise on every rank, naming the step, the ranks whose gradients are not finite and the last checkpoint."""
+        try:
+            self._guard.stop_on_nonfinite(grads, self.global_steps + 1, self.last_checkpoint)
+        finally:  # the flags are read first; then the window's gradients and routing counts go
+            self.zero_grad()
+            self._update_routers(skipped=True)
 
-    def _nonfinite_written(self) -> torch.Tensor:
-        """A device flag: 1 where what this rank's step wrote (its piece of the weights, in the model's
-        dtype and as the master, and its optimizer states) holds inf or nan."""
+    def _stop_if_writes_went_bad(self, saving: bool) -> None:
+        """Raise on every rank when some rank's last step wrote inf or nan (collective)."""
+        learning_rates = sorted({group["lr"] for group in self.optimizer.param_groups})
+        try:
+            self._guard.stop_if_writes_went_bad(learning_rates, self.last_checkpoint, saving)
+        except FloatingPointError:
+            self.zero_grad()
+            raise
+
+    def _written_tensors(self) -> list[torch.Tensor]:
+        """What this rank's step wrote: its piece of the weights (in the model's dtype and as the master)
+        and its optimizer states."""
         written = [t for unit in self.units for t in _own_writes(unit)]
         for unit in self.units:
             for _, state in self.optimizer.unit_states(unit):
                 written += [value for value in state.values() if isinstance(value, torch.Tensor) and value.dim()]
-        return _nonfinite_flag(written, self.device)
-
-    def _written_went_bad(self) -> list[int]:
-        """The ranks whose last step wrote inf or nan (collective; a host read: on a stop's path only)."""
-        mine = self._written_bad is not None and bool(self._written_bad.item())
-        flags = [mine]
-        if self.world_size > 1:
-            flags = [None] * self.world_size
-            dist.all_gather_object(flags, mine)
-        return [rank for rank, bad in enumerate(flags) if bad]
-
-    def _stop_if_written_bad(self, saving: bool = False) -> None:
-        """Raise on every rank, naming the step and the last checkpoint, when the last step wrote inf or nan."""
-        ranks = self._written_went_bad()
-        if not ranks:
-            return
-        lrs = sorted({group["lr"] for group in self.optimizer.param_groups})
-        self.zero_grad()
-        raise FloatingPointError(
-            f"step {self._written_at}: the optimizer step wrote inf or nan into the weights or optimizer states on "
-            f"rank(s) {ranks} from finite gradients (is the learning rate, {', '.join(map(str, lrs))}, far too "
-            f"large?); {'the checkpoint was not written' if saving else 'training stopped'}; last checkpoint: "
-            f"{self.last_checkpoint or 'none'}")
-
-    def _any_overflow(self, grads: list[torch.Tensor]) -> bool:
-        """True when any rank's gradients hold inf or nan, or its previous step wrote them (agreed by all
-        ranks): the step's one host read. The flag is 1 for gradients, 2 for the previous step's writes
-        (`_written_seen`), max-reduced: the writes, which stop the run, outrank the gradients."""
-        flag = _nonfinite_flag(grads, self.device)
-        if self._written_bad is not None:
-            flag = torch.maximum(flag, 2 * self._written_bad)
-        if self.world_size > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        value = read_flag(flag)
-        self._written_seen = value >= 2
-        return bool(value)
+        return written
 
     def _prepare_proxies(self, grads: list[torch.Tensor]) -> list[nn.Parameter]:
         """Give each proxy its gradient in the optimizer's dtype and device, unscaled."""
@@ -562,15 +523,14 @@ class Engine:
             if unit.counts_once() and grad.numel():
                 norm = torch.linalg.vector_norm(grad, dtype=None if grad.dtype in _WIDE else torch.float32)
                 total += norm.double().square().to(self.device)
-        if self._written_bad is not None:  # the previous step's writes make the norm not finite: one read for both
-            total = torch.where(self._written_bad.bool().squeeze(), torch.full_like(total, math.inf), total)
+        total = self._guard.with_writes(total)  # inf where the previous step wrote inf: one read for both
         if self.world_size > 1:
             dist.all_reduce(total)
         return total.sqrt()
 
     def zero_grad(self) -> None:
         """Clear accumulated gradients (buffers are kept and zeroed)."""
-        self._losses_finite = None
+        self._guard.new_window()
         if self._buckets is not None:
             self._buckets.discard()
         for unit in self.units:
@@ -644,8 +604,8 @@ class Engine:
                 (nothing is written; the message names the last checkpoint).
         """
         self._settle()
-        if self._written_bad is not None:  # never a checkpoint of weights that are not finite
-            self._stop_if_written_bad(saving=True)
+        if self._guard.written is not None:  # never a checkpoint of weights that are not finite
+            self._stop_if_writes_went_bad(saving=True)
         self.last_checkpoint = checkpoint.save(self, save_dir, tag, client_state or {}, save_latest)
         return self.last_checkpoint
 
@@ -678,8 +638,8 @@ class Engine:
         self._settle()
         path, client_state = checkpoint.load(self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states,
                                              load_module_only)
-        if self._written_bad is not None:  # the weights are the checkpoint's now (the states may not be)
-            self._written_bad = self._nonfinite_written()
+        if self._guard.written is not None:  # the weights are the checkpoint's now (the states may not be)
+            self._guard.record_writes(self._written_tensors(), self.global_steps)
         self.last_checkpoint = path
         return path, client_state
 
@@ -728,28 +688,12 @@ class Engine:
             unit.refresh(self.module)
 
 
-def _nonfinite_flag(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """1.0 on `device` when any tensor holds inf or nan, else 0.0; no host read."""
-    flag = torch.zeros(1, device=device)
-    for tensor in tensors:
-        if tensor.numel():  # min and max carry any nan or inf, without a temporary the size of the tensor
-            low, high = torch.aminmax(tensor)
-            finite = torch.isfinite(low) & torch.isfinite(high)
-            flag = torch.maximum(flag, (~finite).to(flag.device, flag.dtype))
-    return flag
-
-
 def _own_writes(unit) -> list[torch.Tensor]:
     """What a unit's step writes on this rank: its weights, and its slice of the model's copy when the
     master is separate (a cast to fp16 can overflow where the fp32 master does not)."""
     if getattr(unit, "separate", False):
         return [unit.weights, unit.flat[unit.lo:unit.lo + unit.shard]]
     return [unit.weights]
-
-
-def read_flag(flag: torch.Tensor) -> float:
-    """A device flag's value read on the host (a sync); the one place the engine's step reads a device value."""
-    return float(flag.item())
 
 
 def initialize(model: nn.Module = None, model_parameters=None, config=None, training_data=None, optimizer=None,

@@ -11,7 +11,7 @@ reads go through a few named functions, which `HostReads` answers here:
 - the split sizes of packed and grouped layouts (`moe.expert_parallel.read_counts`, `read_exchange`,
   `moe.rank_exchange.read_pair_exchange`):
   every rank is taken to keep `rows_per_rank` rows per MoE layer, spread evenly;
-- the overflow flag (`optim.engine.read_flag`: fp16's, or the non-finite guard of fp32/bf16 steps): no overflow;
+- the overflow flag (`optim.nonfinite.read_flag`: fp16's, or the non-finite guard of fp32/bf16 steps): no overflow;
 - TensorBoard's summed statistics (`optim.monitor.read_stats`): zeros;
 - the recipes' evaluation sums (`recipes.training.read_sums`): ones.
 
@@ -131,7 +131,7 @@ def simulated_world(world_size: int, rank: int = 0, rows_per_rank: int = 0):
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from moe import expert_parallel, rank_exchange
-    from optim import engine, monitor
+    from optim import engine, monitor, nonfinite
     from parallel import reset_groups
     from recipes import training
 
@@ -149,7 +149,7 @@ def simulated_world(world_size: int, rank: int = 0, rows_per_rank: int = 0):
             stack.enter_context(mock.patch.dict("os.environ", {"MOE_KERNELS": "triton"}))
             for module, name in ((expert_parallel, "read_counts"), (expert_parallel, "read_exchange"),
                                  (rank_exchange, "read_pair_exchange"),
-                                 (engine, "read_flag"), (monitor, "read_stats"), (training, "read_sums")):
+                                 (nonfinite, "read_flag"), (monitor, "read_stats"), (training, "read_sums")):
                 stack.enter_context(mock.patch.object(module, name, getattr(reads, name)))
             _fsdp_on_meta(stack)
             yield reads
