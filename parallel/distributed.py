@@ -113,9 +113,9 @@ def _attempt_store(timeout: datetime.timedelta) -> dict:
 
 
 def _watch_agent() -> None:
-    """Never outlive the torchrun agent that started this process: torchrun starts its workers in
-    sessions of their own, so a killed agent leaves them running (holding a run's folder, or blocked in a
-    collective). A daemon thread interrupts the main thread once the parent is gone, and ends the
+    """Never outlive the torchrun agent that started this process: torchrun detaches its workers from
+    its own process group, so a killed agent leaves them running (holding a run's folder, or blocked in
+    a collective). A daemon thread interrupts the main thread once the parent is gone, and ends the
     process if that has not ended it within 10 s."""
     agent = os.getppid()
     if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) == signal.SIG_IGN:

@@ -167,7 +167,7 @@ def test_a_restart_of_a_refused_attempt_is_refused_again(saved_run):
 
 
 def test_workers_end_with_their_torchrun_agent_and_release_the_folder(tmp_path):
-    """SIGKILL to torchrun's agent: its workers (in sessions of their own) notice, stop, release the lock."""
+    """SIGKILL to torchrun's agent: its workers (detached from its process group) notice, stop, release the lock."""
     import os
     import signal
     import time
