@@ -3,14 +3,16 @@
 Shape legend: S tokens, M model dim, E experts, L local experts, K choices per token, C capacity,
 N rows of the dispatch buffer.
 
-Forward, in stages:
-    1. route:    the gate (fp32) returns a Routing plan: expert, slot and weight per (token, choice).
-    2. rows:     each kept choice gets a row of the dispatch buffer, packed (rows sorted by expert, no
-                 padding) or padded (row = expert * C + slot, the [E, C, M] capacity buffer).
-    3. permute:  tokens are copied into their rows by index (never an [S, E, C] tensor).
-    4. experts:  each expert runs on its rows.
-    5. combine:  outputs return to their tokens by index, weighted, accumulated in fp32. Dropped
-                 choices contribute zeros; the residual connection is the model's business.
+Forward, in five steps:
+    1. route:         the gate (fp32) returns a Routing plan: expert, slot and weight per (token, choice).
+    2. dispatch:      each kept choice gets a row, tokens are copied into their rows by index (never an
+                      [S, E, C] tensor) and, under expert parallelism, travel to their experts' ranks
+                      (a dispatcher of moe.dispatch, chosen by the layout and the exchange).
+    3. experts:       each local expert runs on its rows.
+    4. combine:       outputs return to their tokens by index, weighted, accumulated in fp32. Dropped
+                      choices contribute zeros.
+    5. shared expert: a dense MLP on every token, added (MoE.forward; its parameters are dense).
+The residual connection is the model's business.
 """
 
 import copy
@@ -20,16 +22,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from kernels import buffer_rows, permute, unpermute_combine, workspace
+from kernels import workspace
 from kernels.grouped_gemm import torch_backend_runs
-from kernels.rows import source_tokens
-from moe import expert_parallel
 from moe.autocast import autocast_dtype
-from moe.expert_parallel import check_equal_tokens, run_experts_packed, run_experts_padded
+from moe.dispatch import Dispatcher, make_dispatcher
 from moe.experts import Experts, _plain_mlp
 from moe.gate import TopKGate
-from moe.rank_exchange import run_experts_per_rank
-from moe.routing import Routing
 from parallel import expert_groups, init_distributed
 
 __all__ = ["MoE", "MOELayer"]
@@ -39,14 +37,8 @@ EXPERT_INIT = ("copy", "per_expert_seed")
 EXCHANGES = ("per_choice", "per_rank")
 
 
-def _dispatch(x_SM: torch.Tensor, row_SK: torch.Tensor, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The dispatch buffer and its rows' source tokens, made once for the permute and the combine."""
-    token_N = source_tokens(row_SK, num_rows)
-    return permute(x_SM, row_SK, num_rows, token_N), token_N
-
-
 class MOELayer(nn.Module):
-    """Gate, dispatch, experts and combine for one process (DeepSpeed's `MOELayer`).
+    """Route, dispatch, experts and combine for one process (DeepSpeed's `MOELayer`).
 
     Args:
         gate: the TopKGate.
@@ -63,7 +55,10 @@ class MOELayer(nn.Module):
             grouped GEMM runs for one process's stacked experts (no host sync either, and no empty
             slots multiplied), else padded.
         exchange: under expert parallelism, "per_choice" sends a token once per choice, "per_rank" once
-            per destination rank (moe.rank_exchange; packed or grouped layouts).
+            per destination rank (moe.dispatch.per_rank; packed or grouped layouts).
+
+    The dispatcher for each resolved layout is made once and kept (`dispatcher(device, dtype)`); a
+    new expert-parallel group replaces them.
     """
 
     def __init__(self, gate: TopKGate, experts: Experts, ep_group_name: str, ep_size: int, num_local_experts: int,
@@ -87,15 +82,19 @@ class MOELayer(nn.Module):
         self.l_aux = self.exp_counts = self.z_loss = self.routing = None
         workspace.keep_freed_memory()  # before a compiled model's first step (see kernels.workspace)
 
+    @property
+    def ep_group(self):
+        return self._ep_group
+
+    @ep_group.setter
+    def ep_group(self, group) -> None:
+        self._ep_group = group
+        self._dispatchers: dict[str, Dispatcher] = {}  # made again for the new group
+
     def _layout(self, device: torch.device, dtype: torch.dtype) -> str:
         """The expert layout for a forward on `device` with inputs of `dtype`: "auto" resolves by device,
-        by dropping and by what torch's grouped GEMM runs.
-
-        On an H200 (bf16, 64 experts, hidden 2048, ffn 8192, 16384 tokens, top-2, capacity factor 1.25)
-        a step took 15.6 ms grouped against 27.9 ms padded; at hidden 512, ffn 2048, 8192 tokens,
-        3.3 against 2.9 ms (16 experts) and 3.9 against 3.7 ms (64): small layers may do better
-        with expert_layout="padded" (see README).
-        """
+        by dropping and by what torch's grouped GEMM runs. Padded suits small layers on a GPU better
+        than grouped (see docs/results.md), hence bf16 and torch's grouped GEMM only."""
         if self.expert_layout != "auto":
             return self.expert_layout
         if device.type == "cpu":
@@ -103,56 +102,31 @@ class MOELayer(nn.Module):
         if not (self.gate.config.drop_tokens and self.exchange == "per_choice"):
             return "grouped"
         dtype = autocast_dtype(device) or dtype
-        # measured in bf16 only: fp32 and fp16 keep the padded layout until a GPU run times them
+        # fp32 and fp16 keep the padded layout until a GPU run times them
         if (dtype == torch.bfloat16 and self.ep_size == 1 and self.experts.stacked
                 and torch_backend_runs(device, dtype, (*self.experts.weight1.shape[1:], self.experts.weight2.shape[1]))):
             return "grouped"
         return "padded"
+
+    def dispatcher(self, device: torch.device, dtype: torch.dtype) -> Dispatcher:
+        """The dispatcher for a forward on `device` with inputs of `dtype`."""
+        layout = self._layout(device, dtype)
+        if layout not in self._dispatchers:
+            self._dispatchers[layout] = make_dispatcher(
+                layout, self.exchange, self.ep_size, self.ep_group, measured=self.expert_layout == "auto",
+                stacked=self.experts.stacked, equal_tokens=self.gate.config.drop_tokens)
+        return self._dispatchers[layout]
 
     def forward(self, x_SM: torch.Tensor, used_token: torch.Tensor | None = None, seq_len: int | None = None
                 ) -> torch.Tensor:
         # Host syncs: none in the gate and the padded layout with dropping; none for grouped stacked
         # experts in one process (a buffer of fixed size S * K, the counts stay on the device); one
         # otherwise (the dropless capacity, or the row counts that slice sizes and splits need).
-        routing = self.gate(x_SM, used_token, seq_len)
-        layout = self._layout(x_SM.device, x_SM.dtype)
-        # on the CPU, "auto" lets the experts time products per expert against the grouped GEMM
-        grouped = True if layout == "grouped" else (None if self.expert_layout == "auto" else False)
-        if self.ep_size > 1 and self.exchange == "per_rank":
-            out_SM = run_experts_per_rank(self.experts, x_SM, routing, self.ep_size, self.ep_group, grouped_gemm=grouped)
-            self.routing, self.l_aux, self.exp_counts, self.z_loss = routing, routing.l_aux, routing.exp_counts, routing.z_loss
-            return out_SM
-        if layout == "padded":
-            row_SK = buffer_rows(routing.expert_idx_SK, routing.slot_SK, capacity=routing.capacity)
-            num_rows = routing.num_experts * routing.capacity
-            if self.ep_size > 1 and self.gate.config.drop_tokens:  # (expert choice always has a fixed capacity)
-                check_equal_tokens(x_SM.shape[0], x_SM.device, self.ep_group)
-            buffer_NM, token_N = _dispatch(x_SM, row_SK, num_rows)
-            if self.ep_size == 1:
-                y_NM = self.experts(buffer_NM, None)
-            else:
-                y_NM = run_experts_padded(self.experts, buffer_NM, routing.capacity, self.ep_size, self.ep_group)
-        else:
-            counts_E = routing.kept_counts()
-            row_SK = buffer_rows(routing.expert_idx_SK, routing.slot_SK, counts_E=counts_E)
-            if self.ep_size > 1:
-                exchange = expert_parallel.plan_exchange(counts_E, self.ep_size, self.ep_group)
-                buffer_NM, token_N = _dispatch(x_SM, row_SK, sum(exchange.send))
-                y_NM = run_experts_packed(self.experts, buffer_NM, exchange, self.ep_group, grouped_gemm=grouped)
-            elif grouped and self.experts.stacked and not (torch.compiler.is_compiling() and x_SM.device.type == "cpu"):
-                # (compiled on the CPU, the grouped GEMM cannot be traced in fp32: its meta function
-                # takes bf16 only, so the branch below runs, with its one host read)
-                max_rows = routing.max_rows if routing.max_rows is not None else row_SK.numel()
-                buffer_NM, token_N = _dispatch(x_SM, row_SK, max_rows)  # kept rows first, then zero padding rows
-                y_NM = self.experts(buffer_NM, counts_E, grouped_gemm=True)
-            else:
-                counts = expert_parallel.read_counts(counts_E)  # the one host sync: slice sizes
-                buffer_NM, token_N = _dispatch(x_SM, row_SK, sum(counts))
-                y_NM = self.experts(buffer_NM, counts, grouped_gemm=grouped)
-        # the experts give back as many rows as they were sent, so the permute's source tokens serve
-        # the combine's backward
-        shared_N = token_N if len(token_N) == len(y_NM) else None
-        out_SM = unpermute_combine(y_NM, row_SK, routing.weight_SK, shared_N)
+        routing = self.gate(x_SM, used_token, seq_len)  # 1. route
+        dispatcher = self.dispatcher(x_SM.device, x_SM.dtype)
+        dispatched = dispatcher.dispatch(x_SM, routing)  # 2. dispatch
+        y_NM = self.experts(dispatched.rows_NM, dispatched.counts, grouped_gemm=dispatcher.grouped_gemm)  # 3. experts
+        out_SM = dispatcher.combine(y_NM, dispatched)  # 4. combine
         self.routing, self.l_aux, self.exp_counts, self.z_loss = routing, routing.l_aux, routing.exp_counts, routing.z_loss
         return out_SM
 
@@ -398,9 +372,9 @@ class MoE(nn.Module):
             self._join()
         x_SM = hidden_states.reshape(-1, self.hidden_size)
         seq_len = hidden_states.shape[-2] if hidden_states.dim() == 3 else None  # [batch, seq, hidden]
-        out_SM = self.deepspeed_moe(x_SM, used_token, seq_len)
+        out_SM = self.deepspeed_moe(x_SM, used_token, seq_len)  # steps 1-4
         output = out_SM.view(hidden_states.shape)
-        if self.shared_expert is not None:
+        if self.shared_expert is not None:  # 5. shared expert
             shared = self.shared_expert(hidden_states)
             if self.shared_expert_gate is not None:
                 shared = torch.sigmoid(self.shared_expert_gate(hidden_states)) * shared

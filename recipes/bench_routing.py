@@ -10,7 +10,7 @@ prints, per token and direction of the exchange (dispatch; the combine sends as 
                    (the token copied once per rank, its choices expanded there);
     bytes:         the two in bytes at --hidden and --dtype, and what the limit saves against no limit.
 Routing is by a router of random weights on random tokens (a near-uniform load), with the given
---bias-spread of expert bias. The layer's own exchange (moe.expert_parallel) sends one row per
+--bias-spread of expert bias. The layer's own exchange (moe.dispatch.expert_parallel) sends one row per
 (token, choice): a limit on groups changes which ranks a token reaches, not how many rows it sends.
 """
 

@@ -8,8 +8,8 @@ ops whose fake implementations give shapes) and fails where a GPU run would read
 the host. What it cannot show: values, speed, and the numbers a run must read on the host. Those
 reads go through a few named functions, which `HostReads` answers here:
 
-- the split sizes of packed and grouped layouts (`moe.expert_parallel.read_counts`, `read_exchange`,
-  `moe.rank_exchange.read_pair_exchange`):
+- the split sizes of packed and grouped layouts (`moe.dispatch.local.read_counts`,
+  `moe.dispatch.expert_parallel.read_exchange`, `moe.dispatch.per_rank.read_pair_exchange`):
   every rank is taken to keep `rows_per_rank` rows per MoE layer, spread evenly;
 - the overflow flag (`optim.nonfinite.read_flag`: fp16's, or the non-finite guard of fp32/bf16 steps): no overflow;
 - TensorBoard's summed statistics (`optim.monitor.read_stats`): zeros;
@@ -130,7 +130,7 @@ def simulated_world(world_size: int, rank: int = 0, rows_per_rank: int = 0):
     """
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from moe import expert_parallel, rank_exchange
+    from moe.dispatch import expert_parallel, local, per_rank
     from optim import engine, monitor, nonfinite
     from parallel import reset_groups
     from recipes import training
@@ -147,8 +147,8 @@ def simulated_world(world_size: int, rank: int = 0, rows_per_rank: int = 0):
         with contextlib.ExitStack() as stack:
             stack.enter_context(mock.patch.object(engine, "local_device", lambda: META))
             stack.enter_context(mock.patch.dict("os.environ", {"MOE_KERNELS": "triton"}))
-            for module, name in ((expert_parallel, "read_counts"), (expert_parallel, "read_exchange"),
-                                 (rank_exchange, "read_pair_exchange"),
+            for module, name in ((local, "read_counts"), (expert_parallel, "read_exchange"),
+                                 (per_rank, "read_pair_exchange"),
                                  (nonfinite, "read_flag"), (monitor, "read_stats"), (training, "read_sums")):
                 stack.enter_context(mock.patch.object(module, name, getattr(reads, name)))
             _fsdp_on_meta(stack)

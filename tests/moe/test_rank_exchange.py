@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-import moe.rank_exchange
+import moe.dispatch.per_rank
 from moe import MoE
 from parallel import expert_groups, reset_groups
 from tests.distributed import run_distributed
@@ -44,15 +44,15 @@ def _inputs(rank):
 def _check(rank, world, ep_size, case):
     reset_groups()
     sent = []
-    original = moe.rank_exchange.all_to_all
-    moe.rank_exchange.all_to_all = lambda x, *args: (sent.append(x.shape[0]), original(x, *args))[1]
+    original = moe.dispatch.per_rank.all_to_all
+    moe.dispatch.per_rank.all_to_all = lambda x, *args: (sent.append(x.shape[0]), original(x, *args))[1]
     try:
         layer = _layer(ep_size, case, "per_rank")
         x, grad = _inputs(rank)
         out, l_aux, _ = layer(x)
         ((out * grad).sum() + l_aux).backward()
     finally:
-        moe.rank_exchange.all_to_all = original
+        moe.dispatch.per_rank.all_to_all = original
     routing = layer.deepspeed_moe.routing
     L = E // ep_size
     pairs = {(s, int(e) // L) for s, row in enumerate(routing.expert_idx_SK.tolist()) for e in row if e >= 0}
