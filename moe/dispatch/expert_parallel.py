@@ -65,7 +65,7 @@ class PaddedExpertParallel(Padded):
     def dispatch(self, x_SM: torch.Tensor, routing) -> Dispatched:
         if self.equal_tokens:
             check_equal_tokens(x_SM.shape[0], x_SM.device, self.ep_group)
-        buffer = super().dispatch(x_SM, routing)
+        buffer = Padded.dispatch(self, x_SM, routing)  # (named: dynamo cannot resume a break inside super())
         received = all_to_all(buffer.rows_NM, self.ep_group)  # [R * L * C, M], chunk r from EP rank r
         L = routing.num_experts // self.ep_size
         local = rearrange(received, "(r l c) m -> (l r c) m", r=self.ep_size, l=L, c=routing.capacity)

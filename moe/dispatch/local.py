@@ -69,7 +69,7 @@ class Grouped(Packed):
 
     def dispatch(self, x_SM: torch.Tensor, routing) -> Dispatched:
         if torch.compiler.is_compiling() and x_SM.device.type == "cpu":
-            return super().dispatch(x_SM, routing)
+            return Packed.dispatch(self, x_SM, routing)  # (named: dynamo cannot resume a break inside super())
         row_SK, counts_E = self.rows(routing)
         max_rows = routing.max_rows if routing.max_rows is not None else row_SK.numel()
         buffer_NM, tokens = permute_tokens(x_SM, row_SK, routing.weight_SK, max_rows)  # kept rows, then zero rows
