@@ -27,9 +27,9 @@ from moe import expert_parallel
 from moe.autocast import autocast_dtype
 from moe.expert_parallel import check_equal_tokens, run_experts_packed, run_experts_padded
 from moe.experts import Experts, _plain_mlp
-from moe.gate import TopKGate
+from moe.router.gate import TopKGate
 from moe.rank_exchange import run_experts_per_rank
-from moe.routing import Routing
+from moe.router.plan import Routing
 from parallel import expert_groups, init_distributed
 
 __all__ = ["MoE", "MOELayer"]

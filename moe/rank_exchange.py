@@ -25,7 +25,7 @@ import torch
 
 from kernels import buffer_rows, expert_positions, permute, unpermute_combine
 from moe.expert_parallel import _sizes
-from moe.routing import Routing
+from moe.router.plan import Routing
 from parallel import all_to_all, exchange_counts
 
 __all__ = ["read_pair_exchange", "run_experts_per_rank"]
