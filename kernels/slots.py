@@ -6,7 +6,7 @@
     dropless layout (capacity = None): row = offsets_E[e] + position, offsets_E = exclusive cumsum of counts
 
 `expert_positions` gives the positions; a gate turns them into slots (dropping what does not fit, see
-moe.routing) and `buffer_rows` turns slots into rows.
+moe.router.plan) and `buffer_rows` turns slots into rows.
 
 Shape legend: P choices in fill order (the caller flattens [S, K] token-major, or choice-major for
 top-2's "first choices before second choices"), E experts. Choices with expert -1 go nowhere. The

@@ -2,14 +2,24 @@
 
 import sys
 
-from moe import dispatch
-from moe.expert_choice import expert_choice_gating
-from moe.experts import Experts
-from moe.gate import TopKGate, TopKGateConfig, update_routing
-from moe.gating import top1gating, top2gating, topkgating
-from moe.layer import MOELayer, MoE
-from moe.routing import Routing
-from parallel import is_moe_param, split_params_into_different_moe_groups_for_optimizer
+from moe import dispatch, router
+
+# import paths the package had before its modules moved into moe.router and moe.dispatch (moe.gating:
+# see router/selection.py); registered before the layer is imported, so every module of moe may use them
+for _old, _new in {
+    "balancing": router.balancing, "expert_choice": router.expert_choice, "gate": router.gate,
+    "gate_outputs": router.outputs, "gating": router.selection, "routing": router.plan,
+    "expert_parallel": dispatch.expert_parallel, "rank_exchange": dispatch.per_rank,
+}.items():
+    sys.modules[f"{__name__}.{_old}"] = _new
+    globals()[_old] = _new  # `import moe.gating` binds `moe`, then reads moe.gating from here
+
+from moe.experts import Experts  # noqa: E402
+from moe.layer import MOELayer, MoE  # noqa: E402
+from moe.router import (  # noqa: E402
+    Routing, TopKGate, TopKGateConfig, expert_choice_gating, top1gating, top2gating, topkgating, update_routing,
+)
+from parallel import is_moe_param, split_params_into_different_moe_groups_for_optimizer  # noqa: E402
 
 __all__ = [
     "Experts", "MOELayer", "MoE", "Routing", "TopKGate", "TopKGateConfig", "expert_choice_gating", "is_moe_param",
@@ -17,6 +27,3 @@ __all__ = [
     "update_routing",
 ]
 
-# import paths the package had before its modules moved
-for _old, _new in {"expert_parallel": dispatch.expert_parallel, "rank_exchange": dispatch.per_rank}.items():
-    sys.modules[f"{__name__}.{_old}"] = globals()[_old] = _new

@@ -27,7 +27,7 @@ from kernels.grouped_gemm import torch_backend_runs
 from moe.autocast import autocast_dtype
 from moe.dispatch import Dispatcher, make_dispatcher
 from moe.experts import Experts, _plain_mlp
-from moe.gate import TopKGate
+from moe.router.gate import TopKGate
 from parallel import expert_groups, init_distributed
 
 __all__ = ["MoE", "MOELayer"]
@@ -163,8 +163,8 @@ class MoE(nn.Module):
         seed: the seed for expert_init="per_expert_seed".
         use_data_before_expert_parallel: DeepSpeed's alternative rank layout (see parallel.groups).
         scoring_func, norm_topk_prob, routed_scaling_factor, bias_update_speed, load_balancing_type,
-        n_group, topk_group, routing: the router (see `TopKGateConfig`, `topkgating`, `moe.balancing`,
-            `moe.expert_choice`). With bias_update_speed > 0 or global_aux_loss, the engine advances the
+        n_group, topk_group, routing: the router (see `TopKGateConfig`, `topkgating`, `moe.router.balancing`,
+            `moe.router.expert_choice`). With bias_update_speed > 0 or global_aux_loss, the engine advances the
             gate after each optimizer step; a plain-torch loop calls `moe.update_routing(model)`.
             routing="expert_choice" uses other tokens of the batch to route each one, so in a causal
             language model it leaks information across positions.

@@ -1,4 +1,4 @@
-"""The routing plan a gate returns, and the slot assignment every gating policy shares.
+"""The routing plan a gate returns, the capacity it is built for, and the slot assignment every policy shares.
 
 Shape legend: S tokens, E experts, K choices per token, C capacity, P = S * K choices in fill order.
 
@@ -6,15 +6,22 @@ A plan says, per token and choice, which expert it goes to (-1 when dropped), wh
 expert's capacity buffer it takes, and its combine weight. Kept choices of one expert always take
 slots 0, 1, 2, ... in fill order, so the plan never needs an [S, E, C] tensor; `Routing.dense()`
 builds DeepSpeed's dense form only for tests and interop.
+
+Capacity follows DeepSpeed-MoE: C = max(ceil(S / E * capacity_factor * k), min_capacity); with
+drop_tokens=False, C is the largest per-expert count (max-reduced over the expert-parallel group),
+found only when the plan is asked for it, and nothing is dropped. This module holds the plan's
+index side; its differentiable values (weights, l_aux, z_loss) come from `moe.router.outputs`.
 """
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from kernels import expert_positions
-from moe.balancing import choice_counts
+from moe.router.balancing import choice_counts
 
 __all__ = ["Routing", "assign_slots"]
 
@@ -124,3 +131,54 @@ def assign_slots(
     counts_or_kept_E, slot_P = expert_positions(expert_P, num_experts, all_routed)  # kept ones after a priority's drop
     counts_E = counts_or_kept_E if counts_E is None else counts_E
     return counts_E, counts_E.clamp(max=capacity), torch.where(slot_P < capacity, slot_P, -1)
+
+
+def _largest_count(exp_counts: torch.Tensor, ep_group) -> int:
+    """The dropless capacity: the largest expert count, max-reduced over ep_group (a host sync)."""
+    largest = exp_counts.max().reshape(1) if exp_counts.numel() else exp_counts.new_zeros(1)
+    if ep_group is not None:
+        dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=ep_group)
+    return int(largest.item())
+
+
+def _capacity(
+    logits: torch.Tensor, k: int, capacity_factor: float, min_capacity: int, drop_tokens: bool,
+) -> int | None:
+    """Slots per expert from the capacity factor when dropping; None without dropping (see `_resolver`)."""
+    num_tokens, num_experts = logits.shape
+    if capacity_factor <= 0:
+        raise ValueError(f"capacity_factor must be > 0, got {capacity_factor}")
+    if min_capacity < 0:
+        raise ValueError(f"min_capacity must be >= 0, got {min_capacity}")
+    if not drop_tokens:
+        return None
+    if num_tokens < min_capacity:
+        raise ValueError(
+            f"the number of tokens ({num_tokens}) must be >= min_capacity ({min_capacity}) when dropping "
+            "tokens; lower min_capacity or send more tokens"
+        )
+    return max(math.ceil(num_tokens / num_experts * capacity_factor * k), min_capacity)
+
+
+def _resolver(capacity: int | None, exp_counts: torch.Tensor, ep_group):
+    """What Routing.capacity calls: the fixed capacity, or the dropless one found on first demand and kept."""
+    if capacity is not None:
+        return lambda: capacity
+    found = []  # the all-reduce and host sync happen once per routing, however often capacity is read
+
+    def resolve() -> int:
+        if not found:
+            found.append(_largest_count(exp_counts, ep_group))
+        return found[0]
+
+    return resolve
+
+
+def _slots_capacity(capacity: int | None, logits: torch.Tensor, k: int) -> int:
+    """The capacity slot assignment uses: without dropping every choice fits (S * k slots)."""
+    return capacity if capacity is not None else logits.shape[0] * k
+
+
+def _max_rows(capacity: int | None, num_tokens: int, k: int, num_experts: int) -> int:
+    """A bound on kept rows known without a host sync: S * k, or E * C when the capacity is fixed."""
+    return num_tokens * k if capacity is None else min(num_tokens * k, num_experts * capacity)

@@ -4,9 +4,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moe.balancing import balance_loss, choice_counts
-from moe.gate_outputs import gate_outputs
-from moe.gating import top1gating, top2gating, topkgating
+from moe.router.balancing import balance_loss, choice_counts
+from moe.router.outputs import gate_outputs
+from moe.router.selection import top1gating, top2gating, topkgating
 
 F64 = {"rtol": 1e-10, "atol": 1e-12}
 

@@ -16,7 +16,7 @@ from torch import nn
 
 import moe
 from moe import MoE, TopKGate, expert_choice_gating, topkgating
-from moe.balancing import update_bias
+from moe.router.balancing import update_bias
 
 RTOL, ATOL = 1e-5, 1e-6
 F64 = {"rtol": 1e-10, "atol": 1e-12}

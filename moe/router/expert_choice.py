@@ -21,9 +21,11 @@ import math
 import torch
 
 from kernels import expert_positions
-from moe.balancing import choice_counts
-from moe.gating import _check_logits, _mask_unused, _plan, _z_loss, expert_softmax
-from moe.routing import Routing
+from moe.router.balancing import choice_counts
+from moe.router.outputs import _plan, _z_loss
+from moe.router.plan import Routing
+from moe.router.scoring import _check_logits, expert_softmax
+from moe.router.selection import _mask_unused
 
 __all__ = ["expert_choice_capacity", "expert_choice_gating"]
 

@@ -4,7 +4,7 @@ Shape legend: S tokens, M model dim, E experts.
 
 `TopKGate` picks the policy from its config: DeepSpeed's top-1 / top-2 / top-k for softmax routing
 without the newer options (DeepSpeed's results, the softmax summed in SIMD order: see
-`moe.gating.expert_softmax`), `topkgating` at any k once sigmoid scoring, a bias, groups, or
+`moe.router.scoring.expert_softmax`), `topkgating` at any k once sigmoid scoring, a bias, groups, or
 explicit weight normalisation or scaling is asked for, and
 `expert_choice_gating` for routing="expert_choice". State that lives across forwards (the expert
 bias, the step's routed counts) is kept here and advanced by `update_routing` after each optimizer step.
@@ -17,13 +17,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from moe.autocast import no_autocast
-from moe.balancing import LOAD_BALANCING_TYPES, update_bias
-from moe.expert_choice import expert_choice_gating
-from moe.gating import (
-    DROP_POLICIES, JITTER_EPS, SCORING_FUNCS, _check_group_limit, _check_policy, _gate_dtype, top1gating, top2gating,
-    topkgating,
+from moe.router.balancing import LOAD_BALANCING_TYPES, update_bias
+from moe.router.expert_choice import expert_choice_gating
+from moe.router.plan import Routing
+from moe.router.scoring import SCORING_FUNCS, _gate_dtype
+from moe.router.selection import (
+    DROP_POLICIES, JITTER_EPS, _check_group_limit, _check_policy, top1gating, top2gating, topkgating,
 )
-from moe.routing import Routing
 
 __all__ = ["ROUTINGS", "TopKGate", "TopKGateConfig", "update_routing"]
 
@@ -51,7 +51,7 @@ class TopKGateConfig:
             (DeepSpeed: not for top-1, yes for top-2 and top-k; yes for sigmoid).
         routed_scaling_factor: a factor on every routed weight.
         bias_update_speed: u of auxiliary-loss-free balancing; 0 turns the expert bias off.
-        load_balancing_type: "aux_loss", "seq_aux_loss", "global_aux_loss" or "none" (moe.balancing).
+        load_balancing_type: "aux_loss", "seq_aux_loss", "global_aux_loss" or "none" (moe.router.balancing).
         n_group, topk_group: group-limited routing (both or neither).
         routing: "token_choice" or "expert_choice".
     """
@@ -137,9 +137,8 @@ class _RouterLinear(torch.autograd.Function):
     """logits = x W^T by F.linear (routing decides on exactly these logits); W's gradient as grad^T x.
 
     autograd's own backward forms W's gradient as (x^T grad)^T, a product whose [M, S] operand is a
-    transposed view. With few experts BLAS runs that form several times slower: 0.85 ms against
-    0.12 ms at S = 4096, M = 128, E = 8 on a 2-core AMD EPYC (at S = 8192, M = 512, E = 16 both take
-    the same time and give the same bits). The two forms differ only in the order of fp32 sums.
+    transposed view, which BLAS runs slowly when E is small; grad^T x reads both operands in their
+    stored order. The two forms differ only in the order of fp32 sums.
     """
 
     @staticmethod

@@ -1,140 +1,37 @@
-"""Gating: DeepSpeed's top-1, top-2 and top-k policies, returning a routing plan instead of dense masks.
+"""Selection: DeepSpeed's top-1, top-2 and top-k policies, returning a routing plan instead of dense masks.
 
 Shape legend: S tokens, E experts, K choices per token, C capacity, M model dim.
 
-Everything here computes in fp32 whatever the model dtype (float64 inputs stay float64, for gradient
-checks). Semantics follow DeepSpeed-MoE:
-capacity C = max(ceil(S / E * capacity_factor * k), min_capacity); with drop_tokens=False, C is the
-largest per-expert count (max-reduced over the expert-parallel group) and nothing is dropped. Where
-DeepSpeed leaves an order open (ties, which tokens keep their slot), ours is first-come by token index.
-On the CPU the gates of fewer than 16 experts are softmax's in the order of a full SIMD vector
-(`expert_softmax`): last bits may differ from F.softmax's on AVX-512, and are the same on AVX2 and AVX-512.
+A policy takes the logits, scores them (moe.router.scoring), picks each token's experts (with
+DeepSpeed's noise where asked), assigns slots within the capacity (moe.router.plan) and builds the
+plan's weights and losses (moe.router.outputs). Everything here computes in fp32 whatever the model
+dtype (float64 inputs stay float64, for gradient checks). Semantics follow DeepSpeed-MoE's
+top1gating, top2gating and topkgating; where DeepSpeed leaves an order open (ties, which tokens keep
+their slot), ours is first-come by token index.
 
 `topkgating` also carries the routers of current MoE models (names follow DeepSeek-V3's config):
 sigmoid scoring, an expert bias for auxiliary-loss-free balancing, group-limited routing, optional
-weight normalisation and scaling; and every policy takes a `load_balancing_type` (moe.balancing).
+weight normalisation and scaling; and every policy takes a `load_balancing_type` (moe.router.balancing).
 """
 
-import math
-
 import torch
-import torch.distributed as dist
-import torch.nn.functional as F
 
-from kernels import sync_checks
-from moe.balancing import balance_fraction, balance_loss, choice_counts, normalized_scores
-from moe.gate_outputs import gate_outputs
-from moe.routing import Routing, assign_slots
+from moe.router.balancing import balance_loss, choice_counts, normalized_scores
+from moe.router.outputs import _plan, _softmax_plan, _z_loss
+from moe.router.plan import Routing, _capacity, _max_rows, _resolver, _slots_capacity, assign_slots
+from moe.router.scoring import SCORING_FUNCS, _check_logits, expert_softmax
+
+# also offered under moe.gating, the import path moe/__init__.py keeps for this module
+from kernels import sync_checks  # noqa: F401
+from moe.router.balancing import balance_fraction  # noqa: F401
+from moe.router.outputs import gate_outputs  # noqa: F401
+from moe.router.scoring import SOFTMAX_ROW  # noqa: F401
 
 __all__ = ["SCORING_FUNCS", "expert_softmax", "top1gating", "top2gating", "topkgating"]
-
-SCORING_FUNCS = ("softmax", "sigmoid")
 
 NOISY_GATE_POLICIES = (None, "Jitter", "RSample")
 DROP_POLICIES = ("probs", "position")
 JITTER_EPS = 1e-2
-
-
-def _gate_dtype(dtype: torch.dtype) -> torch.dtype:
-    """fp32 for every model dtype; float64 stays float64 (gradient checks)."""
-    return torch.promote_types(dtype, torch.float32)
-
-
-def _check_logits(logits: torch.Tensor, k: int) -> torch.Tensor:
-    if logits.dim() != 2:
-        raise ValueError(f"logits must have shape [S, E], got {list(logits.shape)}")
-    num_experts = logits.shape[1]
-    if not 1 <= k <= num_experts:
-        raise ValueError(f"k ({k}) must be between 1 and num_experts ({num_experts})")
-    logits = logits.to(_gate_dtype(logits.dtype))
-    if sync_checks() and not bool(torch.isfinite(logits).all()):  # a host sync: opt-in (kernels.backend)
-        raise ValueError("logits contain non-finite values (inf or nan); check the gate input")
-    return logits
-
-
-def _largest_count(exp_counts: torch.Tensor, ep_group) -> int:
-    """The dropless capacity: the largest expert count, max-reduced over ep_group (a host sync)."""
-    largest = exp_counts.max().reshape(1) if exp_counts.numel() else exp_counts.new_zeros(1)
-    if ep_group is not None:
-        dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=ep_group)
-    return int(largest.item())
-
-
-def _capacity(
-    logits: torch.Tensor, k: int, capacity_factor: float, min_capacity: int, drop_tokens: bool,
-) -> int | None:
-    """Slots per expert from the capacity factor when dropping; None without dropping (see `_resolver`)."""
-    num_tokens, num_experts = logits.shape
-    if capacity_factor <= 0:
-        raise ValueError(f"capacity_factor must be > 0, got {capacity_factor}")
-    if min_capacity < 0:
-        raise ValueError(f"min_capacity must be >= 0, got {min_capacity}")
-    if not drop_tokens:
-        return None
-    if num_tokens < min_capacity:
-        raise ValueError(
-            f"the number of tokens ({num_tokens}) must be >= min_capacity ({min_capacity}) when dropping "
-            "tokens; lower min_capacity or send more tokens"
-        )
-    return max(math.ceil(num_tokens / num_experts * capacity_factor * k), min_capacity)
-
-
-def _resolver(capacity: int | None, exp_counts: torch.Tensor, ep_group):
-    """What Routing.capacity calls: the fixed capacity, or the dropless one found on first demand and kept."""
-    if capacity is not None:
-        return lambda: capacity
-    found = []  # the all-reduce and host sync happen once per routing, however often capacity is read
-
-    def resolve() -> int:
-        if not found:
-            found.append(_largest_count(exp_counts, ep_group))
-        return found[0]
-
-    return resolve
-
-
-def _slots_capacity(capacity: int | None, logits: torch.Tensor, k: int) -> int:
-    """The capacity slot assignment uses: without dropping every choice fits (S * k slots)."""
-    return capacity if capacity is not None else logits.shape[0] * k
-
-
-# On the CPU the part of a softmax row that does not fill a SIMD vector (16 fp32 lanes with AVX-512, 8
-# with AVX2) takes a slow partial-vector path that also sums in another order than a full vector does;
-# a row shorter than one vector is all such a part
-SOFTMAX_ROW = 16
-
-
-def expert_softmax(logits_SE: torch.Tensor) -> torch.Tensor:
-    """softmax over experts (dim 1), differentiable; on the CPU rows of fewer than SOFTMAX_ROW experts
-    are padded with -inf to SOFTMAX_ROW lanes (but for 8 fp32 experts under AVX2 kernels, whose plain
-    softmax already has the padded row's bits: `_full_avx2_row`).
-
-    The padded lanes add exact zeros, so this is softmax(logits) up to the order of the row's sum
-    (within 1e-6 relative of F.softmax), and the same bits on AVX-512 and AVX2 kernels (where
-    F.softmax of 8 experts differs in the last bit between the two); each token's gates depend on its
-    logits alone, not on the batch or the thread count. At S = 4096, E = 8 on a 2-core AMD EPYC with
-    AVX-512: 0.08 ms against F.softmax's 0.29 ms.
-
-    Returns:
-        gates_SE: contiguous, shape and dtype of logits_SE.
-    """
-    num_experts = logits_SE.shape[1]
-    if logits_SE.device.type != "cpu" or num_experts >= SOFTMAX_ROW or _full_avx2_row(logits_SE):
-        return F.softmax(logits_SE, dim=1)
-    padded_SX = F.pad(logits_SE, (0, SOFTMAX_ROW - num_experts), value=float("-inf"))
-    return F.softmax(padded_SX, dim=1).narrow(1, 0, num_experts).contiguous()
-
-
-# torch's CPU kernels in this process ("AVX2", "AVX512", "DEFAULT", ...; ATEN_CPU_CAPABILITY lowers
-# it): read once at import, a plain value that torch.compile traces through
-_CPU_CAPABILITY = torch.backends.cpu.get_cpu_capability()
-
-
-def _full_avx2_row(logits_SE: torch.Tensor) -> bool:
-    """Rows of 8 fp32 logits under torch's AVX2 kernels: one full vector, whose softmax has the bits of
-    the padded row (the padding's second vector adds zeros), at about a third of its cost (0.09 against
-    0.25 ms at S = 4096 on a 2-core AMD EPYC with AVX2)."""
-    return logits_SE.shape[1] == 8 and logits_SE.dtype == torch.float32 and _CPU_CAPABILITY == "AVX2"
 
 
 def _neg_gumbel_like(t: torch.Tensor) -> torch.Tensor:
@@ -168,67 +65,6 @@ def _own_fraction(counts_E: torch.Tensor, num_tokens: int, k: int, dtype: torch.
     return counts_E.to(dtype) / max(num_tokens * k, 1)
 
 
-def _z_loss(logits_SE: torch.Tensor) -> torch.Tensor:
-    if logits_SE.shape[0] == 0:
-        return logits_SE.new_zeros(())
-    return torch.logsumexp(logits_SE, dim=1).square().mean()
-
-
-def _plan(
-    scores_SE, expert_SK, slot_SK, resolve_capacity, l_aux, exp_counts, z_loss, renormalize: bool,
-    scaling: float = 1.0, max_rows: int | None = None, kept_counts: torch.Tensor | None = None,
-) -> Routing:
-    """Mask dropped choices and read their weights from the scores (renormalised over kept choices, scaled)."""
-    kept_SK = slot_SK >= 0
-    expert_SK = torch.where(kept_SK, expert_SK, -1)
-    weight_SK = scores_SE.gather(1, expert_SK.clamp(min=0)) * kept_SK
-    if renormalize:
-        denom_S1 = weight_SK.sum(1, keepdim=True).clamp(min=torch.finfo(weight_SK.dtype).eps)
-        weight_SK = weight_SK / denom_S1
-    if scaling != 1.0:
-        weight_SK = weight_SK * scaling
-    return Routing(
-        expert_idx_SK=expert_SK, slot_SK=slot_SK, weight_SK=weight_SK,
-        resolve_capacity=resolve_capacity, num_experts=scores_SE.shape[1], l_aux=l_aux,
-        exp_counts=exp_counts.detach(), z_loss=z_loss, max_rows=max_rows, kept_counts_E=kept_counts,
-    )
-
-
-def _softmax_plan(
-    logits, gates_SE, expert_SK, slot_SK, resolve_capacity, exp_counts, max_rows: int, renormalize: bool,
-    balance: dict, balance_expert_SK, own_fraction, top_S, scaling: float = 1.0,
-    kept_counts: torch.Tensor | None = None,
-) -> Routing:
-    """The plan of a softmax routing; weights, l_aux and z_loss reach the logits through one autograd
-    node (moe.gate_outputs), or through plain autograd for seq_aux_loss (an f per sequence).
-
-    gates_SE is softmax(logits) without autograd; balance holds load_balancing_type, seq_len and
-    global_counts; balance_expert_SK are the choices the balance counts (before any drop);
-    own_fraction gives the policy's f for aux_loss; top_S the index of a largest gate per token.
-    """
-    load_balancing_type = balance["load_balancing_type"]
-    if load_balancing_type == "seq_aux_loss":
-        gates_SE = expert_softmax(logits)  # the same values, now differentiable
-        l_aux = balance_loss(load_balancing_type, gates_SE, balance_expert_SK, seq_len=balance["seq_len"])
-        return _plan(gates_SE, expert_SK, slot_SK, resolve_capacity, l_aux, exp_counts, _z_loss(logits), renormalize,
-                     scaling, max_rows, kept_counts)
-    frac_E = balance_fraction(load_balancing_type, balance_expert_SK, gates_SE.shape[1], gates_SE.dtype,
-                              global_counts=balance["global_counts"], default=own_fraction)
-    kept_SK = slot_SK >= 0
-    expert_SK = torch.where(kept_SK, expert_SK, -1)
-    weight_SK, l_aux, z_loss = gate_outputs(logits, gates_SE, expert_SK, frac_E, renormalize, scaling, top_S)
-    return Routing(  # slot_SK is -1 exactly where kept_SK is False: as it is
-        expert_idx_SK=expert_SK, slot_SK=slot_SK, weight_SK=weight_SK,
-        resolve_capacity=resolve_capacity, num_experts=gates_SE.shape[1], l_aux=l_aux,
-        exp_counts=exp_counts.detach(), z_loss=z_loss, max_rows=max_rows, kept_counts_E=kept_counts,
-    )
-
-
-def _max_rows(capacity: int | None, num_tokens: int, k: int, num_experts: int) -> int:
-    """A bound on kept rows known without a host sync: S * k, or E * C when the capacity is fixed."""
-    return num_tokens * k if capacity is None else min(num_tokens * k, num_experts * capacity)
-
-
 def top1gating(
     logits: torch.Tensor, capacity_factor: float, min_capacity: int, used_token: torch.Tensor | None = None,
     noisy_gate_policy: str | None = None, drop_tokens: bool = True, use_rts: bool = True, ep_group=None, *,
@@ -245,7 +81,7 @@ def top1gating(
         drop_tokens: drop choices beyond capacity; if False, capacity is the largest expert count.
         use_rts: random token selection: over capacity, keep tokens of random priority, not the first.
         ep_group: expert-parallel group over which the dropless capacity is max-reduced.
-        load_balancing_type, seq_len, global_counts: the balance loss, see `moe.balancing.balance_loss`;
+        load_balancing_type, seq_len, global_counts: the balance loss, see `moe.router.balancing.balance_loss`;
             "aux_loss" is DeepSpeed's top-1 loss.
 
     Returns:
@@ -393,7 +229,7 @@ def topkgating(
             balancing); never differentiated.
         n_group, topk_group: group-limited routing: E experts in n_group equal groups, each token keeps
             its topk_group groups ranked by the sum of their two highest selection scores.
-        load_balancing_type, seq_len, global_counts: the balance loss (moe.balancing), P from the
+        load_balancing_type, seq_len, global_counts: the balance loss (moe.router.balancing), P from the
             scores normalised over all experts; "aux_loss" is DeepSpeed's top-k loss.
 
     Returns:
@@ -419,7 +255,7 @@ def topkgating(
         select_SE = _limit_groups(select_SE, n_group, topk_group)
     if expert_bias is None and n_group is None:
         expert_SK = torch.topk(scores_SE, k, dim=1).indices  # DeepSpeed's selection, ties as torch.topk takes them
-        top_S = expert_SK.select(1, 0)  # a largest score, for the z-loss (moe.gate_outputs)
+        top_S = expert_SK.select(1, 0)  # a largest score, for the z-loss (moe.router.outputs)
     else:
         expert_SK = _stable_topk(select_SE, k)
         top_S = _argmax(scores_SE)
