@@ -36,8 +36,9 @@ import statistics
 import sys
 from dataclasses import dataclass, field
 
-from recipes import gpt, runner
-from recipes.cli import fail, flag_names, flag_parser
+from recipes import gpt
+from recipes.common import runner
+from recipes.common.cli import fail, flag_names, flag_parser
 from recipes.compare_dense_moe import stdlib_corpus
 from recipes.gpt_model import GPT
 

@@ -30,10 +30,10 @@ from torch import nn
 
 from moe import MoE, split_params_into_different_moe_groups_for_optimizer
 from optim import CheckpointError, ConfigTypeError, initialize
-from recipes import runner
-from recipes.cli import (built, engine_config, fail, keep_last_field, noisy_gate_policy, noisy_gate_policy_field,
-                         require_at_least, resume_field, start_over_field)
-from recipes.training import Progress, SetupError, all_sum, prune_checkpoints, resumed_line
+from recipes.common import runner
+from recipes.common.cli import (built, engine_config, fail, keep_last_field, noisy_gate_policy, noisy_gate_policy_field,
+                                require_at_least, resume_field, start_over_field)
+from recipes.common.training import Progress, SetupError, all_sum, prune_checkpoints, resumed_line
 
 CLASSES = ("plane", "car", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck")
 MEAN, STD = torch.tensor([0.4914, 0.4822, 0.4465]), torch.tensor([0.2470, 0.2435, 0.2616])

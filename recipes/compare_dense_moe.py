@@ -19,7 +19,7 @@ import sysconfig
 from dataclasses import dataclass, field
 
 from recipes import gpt
-from recipes.cli import fail, flag_parser
+from recipes.common.cli import fail, flag_parser
 
 
 @dataclass(kw_only=True)

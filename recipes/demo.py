@@ -27,7 +27,7 @@ from torch import nn
 from moe import MoE, split_params_into_different_moe_groups_for_optimizer
 from optim import initialize
 from parallel import init_distributed
-from recipes.cli import flag_parser, require_at_least, require_positive
+from recipes.common.cli import flag_parser, require_at_least, require_positive
 
 
 @dataclass(kw_only=True)

@@ -5,7 +5,7 @@
 
 The GPT recipe's model is built on the meta device and trained for two steps through the real engine
 (ZeRO stage, precision, expert parallelism) under the "fake" process group at --world-size, as rank
---rank (see recipes.simulated): no GPU and no memory are needed, and it runs in seconds to a minute
+--rank (see recipes.common.simulated): no GPU and no memory are needed, and it runs in seconds to a minute
 on a CPU. Per rank it prints:
 - parameters, gradients and optimizer states (master weights included) held between steps, from
   `engine.memory_breakdown()`, beside the ZeRO accounting for the same model;
@@ -32,9 +32,9 @@ from moe import split_params_into_different_moe_groups_for_optimizer
 from optim import initialize
 from optim.memory import LiveBytes
 from recipes import gpt
-from recipes.cli import engine_config, fail, flag_names, flag_parser, require_at_least
+from recipes.common.cli import engine_config, fail, flag_names, flag_parser, require_at_least
+from recipes.common.simulated import META, simulated_world
 from recipes.gpt_model import GPT
-from recipes.simulated import META, simulated_world
 
 GB = 1e9
 # the GPT recipe's model flags beyond the sizes below, taken over with their defaults, choices and help

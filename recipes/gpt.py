@@ -30,12 +30,12 @@ import torch.nn.functional as F
 
 from moe import split_params_into_different_moe_groups_for_optimizer
 from optim import CheckpointError, ConfigTypeError, initialize, read_client_state
-from recipes import runner
-from recipes.cli import (built, engine_config, fail, flag_names, flag_parser, keep_last_field, noisy_gate_policy,
-                         noisy_gate_policy_field, require_at_least, require_positive, resume_field, saved_recipe,
-                         start_over_field)
+from recipes.common import runner
+from recipes.common.cli import (built, engine_config, fail, flag_names, flag_parser, keep_last_field, noisy_gate_policy,
+                                noisy_gate_policy_field, require_at_least, require_positive, resume_field, saved_recipe,
+                                start_over_field)
+from recipes.common.training import Progress, SetupError, all_sum, prune_checkpoints, resumed_line
 from recipes.gpt_model import GPT, GPTConfig
-from recipes.training import Progress, SetupError, all_sum, prune_checkpoints, resumed_line
 
 
 @dataclass(kw_only=True)

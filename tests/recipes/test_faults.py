@@ -128,7 +128,7 @@ def test_nonfinite_off_reads_nothing_and_saves_what_it_has(tmp_path):
 def test_a_lock_left_by_an_ended_process_or_agent_is_taken_over_with_a_warning(tmp_path):
     import socket
 
-    from recipes.training import SetupError, claim_checkpoint_dir, release_checkpoint_dir
+    from recipes.common.training import SetupError, claim_checkpoint_dir, release_checkpoint_dir
 
     lock, host = tmp_path / ".writer.lock", socket.gethostname()
     ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)

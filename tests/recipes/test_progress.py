@@ -4,7 +4,7 @@ import re
 
 import pytest
 
-from recipes import training
+from recipes.common import training
 
 
 class _Clock:

@@ -15,7 +15,7 @@ from torch import nn
 from moe import MoE, split_params_into_different_moe_groups_for_optimizer
 from optim import initialize
 from recipes import gpt
-from recipes.cli import engine_config
+from recipes.common.cli import engine_config
 from recipes.gpt_model import GPT
 from tests.devices import DEVICE
 from tests.simulated.sync_counter import count_syncs

@@ -4,7 +4,7 @@ The GPT and CIFAR recipes' models, engine configs and `train_step` functions run
 under the fake process group at world 8 (ep 1, 2, 8) and 64 (ep 8), ZeRO stages 0-3, fp32, bf16 and
 fp16, and every expert layout. Each collective's tensors are checked to be on the model's device, a
 host read fails (meta has no values), and the packed and grouped layouts under expert parallelism
-make one host read per MoE layer and forward, answered by `recipes.simulated.HostReads`.
+make one host read per MoE layer and forward, answered by `recipes.common.simulated.HostReads`.
 """
 
 import pytest
@@ -13,7 +13,7 @@ import torch
 from moe import split_params_into_different_moe_groups_for_optimizer
 from optim import initialize
 from recipes import cifar, gpt
-from recipes.cli import engine_config
+from recipes.common.cli import engine_config
 from recipes.gpt_model import GPT
 from tests.simulated.world import META, simulated_world
 

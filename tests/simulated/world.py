@@ -1,7 +1,7 @@
-"""The simulated GPU world for tests: `recipes.simulated` plus a log of every collective.
+"""The simulated GPU world for tests: `recipes.common.simulated` plus a log of every collective.
 
 `simulated_world(monkeypatch, world_size, rank)` yields a CollectiveLog whose `reads` are the
-HostReads of recipes.simulated; every collective's tensors must be on the model's device (meta).
+HostReads of recipes.common.simulated; every collective's tensors must be on the model's device (meta).
 """
 
 import contextlib
@@ -10,7 +10,7 @@ import functools
 import torch
 import torch.distributed as dist
 
-from recipes.simulated import META, simulated_world as _simulated_world
+from recipes.common.simulated import META, simulated_world as _simulated_world
 
 __all__ = ["META", "CollectiveLog", "simulated_world"]
 

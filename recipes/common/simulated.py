@@ -13,7 +13,7 @@ reads go through a few named functions, which `HostReads` answers here:
   every rank is taken to keep `rows_per_rank` rows per MoE layer, spread evenly;
 - the overflow flag (`optim.nonfinite.read_flag`: fp16's, or the non-finite guard of fp32/bf16 steps): no overflow;
 - TensorBoard's summed statistics (`optim.monitor.read_stats`): zeros;
-- the recipes' evaluation sums (`recipes.training.read_sums`): ones.
+- the recipes' evaluation sums (`recipes.common.training.read_sums`): ones.
 
 `simulated_world(world_size, rank)` also points the engine at the meta device and lets fully_shard
 work on a "meta" mesh (FSDP asks the mesh's device module for streams and its current device, which
@@ -133,7 +133,7 @@ def simulated_world(world_size: int, rank: int = 0, rows_per_rank: int = 0):
     from moe.dispatch import expert_parallel, local, per_rank
     from optim import engine, monitor, nonfinite
     from parallel import reset_groups
-    from recipes import training
+    from recipes.common import training
 
     if dist.is_initialized():
         raise RuntimeError("a process group is already initialised; the simulated world needs its own process")

@@ -1,4 +1,4 @@
-"""recipes.step_breakdown: timers on a GPT's feed-forward blocks, its MoE layers' parts, and the optimizer."""
+"""recipes.bench.step_breakdown: timers on a GPT's feed-forward blocks, its MoE layers' parts, and the optimizer."""
 
 import re
 import statistics
@@ -7,9 +7,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from recipes import bench_gpt, gpt
+from recipes import gpt
+from recipes.bench import gpt as bench_gpt
+from recipes.bench.step_breakdown import StepBreakdown
 from recipes.gpt_model import GPT
-from recipes.step_breakdown import StepBreakdown
 
 TINY = dict(n_layer=2, n_embd=32, n_head=2, ffn=64, seq_len=32, batch_size=8, num_experts=4, top_k=2)
 

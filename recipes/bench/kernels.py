@@ -1,7 +1,7 @@
 """Benchmark the dispatch ops against their torch paths, their references and a plain copy.
 
-    python -m recipes.bench_kernels --tokens 16384 --k 2 --hidden 4096 --dtype bf16     # on a GPU
-    python -m recipes.bench_kernels --tokens 4096 --hidden 1024 --dtype fp32           # on a CPU
+    python -m recipes.bench.kernels --tokens 16384 --k 2 --hidden 4096 --dtype bf16     # on a GPU
+    python -m recipes.bench.kernels --tokens 4096 --hidden 1024 --dtype fp32           # on a CPU
 
 For permute and unpermute_combine (forward), prints ms, achieved bandwidth (bytes read + written
 over time) and its fraction of a device-to-device copy of the same bytes, for: the Triton kernel
@@ -19,7 +19,7 @@ from torch import nn
 
 from kernels import buffer_rows, expert_positions, permute, permute_reference, unpermute_combine, unpermute_combine_reference
 from moe import MoE
-from recipes.cli import device_or_accelerator, flag_parser
+from recipes.common.cli import device_or_accelerator, flag_parser
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -76,6 +76,7 @@ def _report(name: str, ms: float, nbytes: int, copy_gbs: float) -> dict:
 def main(argv=None) -> dict:
     """Prints the figures; returns them per row name ("copy", "permute (torch)", ...): ms, bytes and GB/s."""
     parser = flag_parser(KernelBenchConfig, __doc__)
+    parser.prog = "recipes.bench.kernels"
     cfg = KernelBenchConfig(**vars(parser.parse_args(argv)))
     cfg.device = device_or_accelerator(parser, cfg.device)
     cfg.dtype = cfg.dtype or ("bf16" if torch.device(cfg.device).type == "cuda" else "fp32")

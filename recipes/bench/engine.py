@@ -1,8 +1,8 @@
 """A full training step at each ZeRO stage, ours beside DeepSpeed's engine, and the memory it takes.
 
-    torchrun --standalone --nproc_per_node 2 -m recipes.bench_engine --ep-world-size 2      # the README's figures
-    torchrun --standalone --nproc_per_node 4 -m recipes.bench_engine --ep-world-size 2 --stages 0 1 2 3 --dtype bf16
-    python -m recipes.bench_engine --deepspeed off                                        # one process, ours only
+    torchrun --standalone --nproc_per_node 2 -m recipes.bench.engine --ep-world-size 2      # the README's figures
+    torchrun --standalone --nproc_per_node 4 -m recipes.bench.engine --ep-world-size 2 --stages 0 1 2 3 --dtype bf16
+    python -m recipes.bench.engine --deepspeed off                                        # one process, ours only
 
 The model: --blocks blocks of Linear(hidden, hidden), GELU and an MoE layer (--experts experts of
 Linear(hidden, ffn), GELU, Linear(ffn, hidden), top-2, capacity factor 1.25), a residual around each
@@ -31,9 +31,9 @@ from moe import MoE, split_params_into_different_moe_groups_for_optimizer
 from optim import initialize
 from optim.memory import LiveBytes
 from parallel import init_distributed, reset_groups
-from recipes.cli import fail, flag_parser
-from recipes.bench_moe import chosen_backends
-from recipes.training import cpu_name
+from recipes.bench.moe import chosen_backends
+from recipes.common.cli import fail, flag_parser
+from recipes.common.training import cpu_name
 
 BYTES_PGK = {"fp32": (4, 4, 8), "bf16": (2, 4, 12)}  # parameters, gradients, optimizer states (+ fp32 masters)
 
@@ -160,7 +160,7 @@ def accounting(cfg: BenchConfig, stage: int, dense: int, expert: int, world: int
 
 def main(argv=None) -> list[dict]:
     parser = flag_parser(BenchConfig, __doc__)
-    parser.prog = "recipes.bench_engine"
+    parser.prog = "recipes.bench.engine"
     cfg = BenchConfig(**vars(parser.parse_args(argv)))
     rank, world = init_distributed()
     if world % cfg.ep_world_size or cfg.experts % cfg.ep_world_size:

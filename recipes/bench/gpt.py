@@ -1,10 +1,10 @@
 """The GPT recipe's MoE model against its dense twin: training tokens/s, side by side in one process.
 
-    python -m recipes.bench_gpt                      # the recipe's defaults: 32 x 128 tokens per step
-    python -m recipes.bench_gpt --steps 40 --n-embd 256 --ffn 1024
-    python -m recipes.bench_gpt --breakdown          # also where each model's step goes, block by block
-    python -m recipes.bench_gpt --profile            # also torch.profiler over 3 more steps of each model
-    python -m recipes.bench_gpt --deepspeed on       # also the model with DeepSpeed's MoE layer (needs deepspeed)
+    python -m recipes.bench.gpt                      # the recipe's defaults: 32 x 128 tokens per step
+    python -m recipes.bench.gpt --steps 40 --n-embd 256 --ffn 1024
+    python -m recipes.bench.gpt --breakdown          # also where each model's step goes, block by block
+    python -m recipes.bench.gpt --profile            # also torch.profiler over 3 more steps of each model
+    python -m recipes.bench.gpt --deepspeed on       # also the model with DeepSpeed's MoE layer (needs deepspeed)
 
 Both models are built by `recipes.gpt` from the same flags (the dense twin with `--dense`: the same
 active parameters per token) and trained through the same engine with the same batches, writing
@@ -18,7 +18,7 @@ Prints the CPU, the median ms per step, tokens/s and their ratio, the fraction o
 layers dropped over the timed steps, and the ratio step by step (each pair of adjacent steps:
 median, quartiles, and the median of each half of the run), which shows how far the figure can be
 trusted on a shared machine. With --breakdown, also each model's feed-forward blocks (and the MoE
-layers' gate and experts) forward and backward, and its optimizer step (`recipes.step_breakdown`).
+layers' gate and experts) forward and backward, and its optimizer step (`recipes.bench.step_breakdown`).
 With --profile, torch.profiler records 3 more steps of each model and the bench prints, per step,
 the host time and `.item()` calls; on a GPU also the host's waits for it (stream synchronizations),
 the kernel launches and the device time; and the ops that took the most device time (host time on a
@@ -27,7 +27,7 @@ Where `deepspeed` is importable (--deepspeed auto, the default; "on" requires it
 third model runs beside them: the MoE model with DeepSpeed's MoE layer in place of each of ours,
 starting from our layers' weights, on the same routing config (but for the z-loss, which DeepSpeed's
 layer does not have: its model trains without one), through the same engine on the same batches;
-its ratio to the dense twin is printed too, the yardstick `bench_moe` gives for one layer. It runs
+its ratio to the dense twin is printed too, the yardstick `bench.moe` gives for one layer. It runs
 for the configs DeepSpeed's layer has a counterpart for (softmax top-k token choice with the
 auxiliary loss, one process, no shared experts, eager, ZeRO stages 0-2); for others it is left out
 with a line saying which flag has none (an error with --deepspeed on). DeepSpeed's layer needs
@@ -53,10 +53,10 @@ from kernels import gemm
 from moe import MoE, split_params_into_different_moe_groups_for_optimizer
 from optim import initialize
 from recipes import gpt
-from recipes.cli import engine_config, flag_parser
+from recipes.bench.step_breakdown import StepBreakdown
+from recipes.common.cli import engine_config, flag_parser
+from recipes.common.training import cpu_name
 from recipes.gpt_model import GPT, GPTConfig, mlp
-from recipes.step_breakdown import StepBreakdown
-from recipes.training import cpu_name
 
 
 def _engine(cfg: gpt.TrainConfig, moe_layer=None):
@@ -221,13 +221,14 @@ def _profile(engines: dict, runs: dict, tokens: torch.Tensor, first_step: int) -
 def main(argv=None) -> dict:
     argv = sys.argv[1:] if argv is None else argv
     parser = flag_parser(gpt.TrainConfig, __doc__)
+    parser.prog = "recipes.bench.gpt"
     parser.set_defaults(steps=30)  # timed steps of each model (the recipe's 1200 train)
     parser.add_argument("--warmup", type=int, default=100,
                         help="untimed steps of each model first (the products are chosen and the router settles) "
                              "(default: %(default)s)")
     parser.add_argument("--breakdown", action="store_true",
                         help="also time each feed-forward block, the MoE layers' gate and experts, and the "
-                             "optimizer step (recipes.step_breakdown)")
+                             "optimizer step (recipes.bench.step_breakdown)")
     parser.add_argument("--profile", action="store_true",
                         help=f"also profile {PROFILED_STEPS} more steps of each model (torch.profiler): launches, "
                              "device and host time, host reads, the costliest ops")

@@ -1,6 +1,6 @@
 """Benchmark one MoE layer: forward+backward time, tokens/s, peak memory, and the experts' matmuls alone.
 
-    python -m recipes.bench_moe --tokens 8192 --hidden 512 --ffn 2048 --experts 16 --k 2 \
+    python -m recipes.bench.moe --tokens 8192 --hidden 512 --ffn 2048 --experts 16 --k 2 \
         --capacity-factor 1.25 --dtype fp32
 
 Prints, for this project's layer (and DeepSpeed's MoE layer side by side when `deepspeed` is
@@ -30,8 +30,8 @@ from kernels import gemm, grouped_mm, grouped_mm_t, threads
 from moe import MoE
 from moe.layer import EXPERT_LAYOUTS
 from optim.memory import LiveBytes
-from recipes.cli import device_or_accelerator, fail, flag_parser, require_at_least
-from recipes.training import cpu_name
+from recipes.common.cli import device_or_accelerator, fail, flag_parser, require_at_least
+from recipes.common.training import cpu_name
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 ACTIVATIONS = {"gelu": nn.GELU, "relu": nn.ReLU, "silu": nn.SiLU}
@@ -247,7 +247,7 @@ def _report(name: str, ms: float, peak: int, matmul_ms: float, rows: int, cfg: B
 
 def main(argv=None) -> dict:
     parser = flag_parser(BenchConfig, __doc__)
-    parser.prog = "recipes.bench_moe"
+    parser.prog = "recipes.bench.moe"
     cfg = BenchConfig(**vars(parser.parse_args(argv)))
     if cfg.dtype not in DTYPES or cfg.activation not in ACTIVATIONS or cfg.deepspeed not in ("auto", "on", "off"):
         parser.error(f"--dtype must be in {list(DTYPES)}, --activation in {list(ACTIVATIONS)}, --deepspeed auto|on|off")

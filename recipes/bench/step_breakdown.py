@@ -12,7 +12,7 @@ optimizer's step is timed by its own step hooks.
 These are wall clocks on the calling thread, as `time.perf_counter` reads them, with no host sync: on
 the CPU they are the time spent; on a GPU they would time the launches only. A backward window holds
 whatever autograd runs between the two gradients: the module's own backward, the accumulation of its
-weights' gradients, and any other node autograd takes first. `recipes.bench_gpt --breakdown` prints
+weights' gradients, and any other node autograd takes first. `recipes.bench.gpt --breakdown` prints
 them for each model it times: the MoE model, its dense twin and, with DeepSpeed, the model with its
 layer.
 """
@@ -52,7 +52,7 @@ class StepBreakdown:
         self._layers = []  # (name, is an MoE layer), in model order
         for i, block in enumerate(model.blocks):
             ffn = block.ffn
-            is_moe = hasattr(ffn, "deepspeed_moe")  # ours, or DeepSpeed's MoE layer (recipes.bench_gpt's third model)
+            is_moe = hasattr(ffn, "deepspeed_moe")  # ours, or DeepSpeed's MoE layer (recipes.bench.gpt's third model)
             name = f"block {i} {'MoE' if is_moe else 'MLP'}"
             self._layers.append((name, is_moe))
             self._time(ffn, name)

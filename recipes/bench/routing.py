@@ -1,6 +1,6 @@
 """All-to-all traffic of group-limited routing: how many expert-parallel ranks a token reaches.
 
-    python -m recipes.bench_routing --experts 64 --k 8 --ep 8 --hidden 2048 --dtype bf16
+    python -m recipes.bench.routing --experts 64 --k 8 --ep 8 --hidden 2048 --dtype bf16
 
 With expert parallelism over `ep` ranks and n_group = ep (one group per rank), a token keeps
 topk_group groups, so it reaches at most topk_group ranks. For each topk_group (and no limit) this
@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from moe import topkgating
-from recipes.cli import fail, flag_parser, require_at_least
+from recipes.common.cli import fail, flag_parser, require_at_least
 
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
@@ -48,7 +48,7 @@ def rows_per_token(expert_SK: torch.Tensor, num_experts: int, ep: int, source_ra
 
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = flag_parser(BenchConfig, __doc__)
-    parser.prog = "recipes.bench_routing"
+    parser.prog = "recipes.bench.routing"
     cfg = BenchConfig(**vars(parser.parse_args(argv)))
     require_at_least(parser, cfg, ("tokens", "hidden", "experts", "ep"))
     if cfg.experts % cfg.ep:

@@ -19,8 +19,8 @@ from typing import Callable
 import torch.distributed as dist
 
 from parallel import init_distributed
-from recipes.cli import fail, flag_parser, mark_started, parse_config, require_at_least
-from recipes.training import SetupError, claim_for_run, release_checkpoint_dir
+from recipes.common.cli import fail, flag_parser, mark_started, parse_config, require_at_least
+from recipes.common.training import SetupError, claim_for_run, release_checkpoint_dir
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """Memory to save and load a checkpoint: the sharded layout beside the previous one (full entries).
 
-    torchrun --standalone --nproc_per_node 8 -m recipes.bench_checkpoint                # the README's figures
-    torchrun --standalone --nproc_per_node 8 -m recipes.bench_checkpoint --stage 2 --ep-world-size 2
+    torchrun --standalone --nproc_per_node 8 -m recipes.bench.checkpoint                # the README's figures
+    torchrun --standalone --nproc_per_node 8 -m recipes.bench.checkpoint --stage 2 --ep-world-size 2
 
 The model is the GPT recipe's (recipes.gpt_model, an MoE block every second layer) at the widths given,
 trained one AdamW step so that every optimizer state exists. All processes then run, one after the
@@ -37,9 +37,9 @@ import torch.distributed.checkpoint as dcp
 from optim import checkpoint, initialize
 from optim.memory import LiveBytes
 from parallel import init_distributed, reset_groups
-from recipes.cli import fail, flag_parser
+from recipes.common.cli import fail, flag_parser
+from recipes.common.training import cpu_name
 from recipes.gpt_model import GPT, GPTConfig
-from recipes.training import cpu_name
 
 
 @dataclass(kw_only=True)
@@ -94,7 +94,7 @@ def full_load(engine, folder: str) -> None:
 
 def main(argv=None) -> dict:
     parser = flag_parser(BenchConfig, __doc__)
-    parser.prog = "recipes.bench_checkpoint"
+    parser.prog = "recipes.bench.checkpoint"
     cfg = BenchConfig(**vars(parser.parse_args(argv)))
     if not os.path.exists("/proc/self/clear_refs"):
         fail(parser, "this benchmark reads the kernel's memory high-water mark: Linux only")
