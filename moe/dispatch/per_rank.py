@@ -5,7 +5,7 @@ M model dim, N rows sent (one per (token, rank) pair reached), Q rows received, 
 
 The per-choice exchange (moe.dispatch.expert_parallel) sends a token once for each of its choices, so
 a token with k choices on one rank crosses k times. Here it crosses once: group-limited routing
-(n_group = R, topk_group = g) bounds the rows a token sends by g instead of k (`recipes.bench_routing`
+(n_group = R, topk_group = g) bounds the rows a token sends by g instead of k (`recipes.bench.routing`
 prints the bytes). The receiver expands each row into its choices, runs the experts, and sums the
 weighted outputs of a row's choices before sending one row back; the source sums its rows over ranks.
 
