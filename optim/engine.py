@@ -5,8 +5,9 @@ The engine coordinates pieces usable alone and answers DeepSpeed's queries: the 
 and the inf/nan watch); the ZeRO stage (`optim.stages`) whose units hold parameters, gradients and
 master weights (`optim.zero`), stage 3 through torch's `fully_shard`; a plain torch optimizer
 stepping on the units' shards (`optim.optimizer`); DeepSpeed's schedules (`optim.schedulers`); and
-checkpoints (`optim.checkpoint`). What it keeps itself: the step counters, the order of a training
-step, and the statistics and progress line written after it.
+checkpoints (`optim.checkpoint`); and the report after each step (`optim.monitor.StepReport`:
+TensorBoard and the progress line). What it keeps itself: the step counters and the order of a
+training step.
 """
 
 import os
