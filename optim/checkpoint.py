@@ -38,7 +38,8 @@ import torch.distributed as dist
 from kernels import gemm
 from parallel import accelerator_name
 
-__all__ = ["CheckpointError", "save", "load", "consolidated_state_dict", "verify"]
+__all__ = ["CheckpointError", "check_load_options", "consolidated_state_dict", "load", "save", "save_state_dict",
+           "verify"]
 
 
 class CheckpointError(RuntimeError):
@@ -611,3 +612,32 @@ def consolidated_state_dict(engine) -> dict | None:
         elif key.startswith("model/") and "#expert" not in key and key[6:] not in out:
             out[key[6:]] = value  # experts kept as per-expert modules on other ranks, by their global names
     return out
+
+
+def check_load_options(load_module_strict: bool, custom_load_fn) -> None:
+    """Refuse the options of DeepSpeed's load_checkpoint that this format cannot honour.
+
+    Raises:
+        ValueError: load_module_strict=False or a custom_load_fn.
+    """
+    if load_module_strict is not True:
+        raise ValueError(f"load_module_strict must be True, got {load_module_strict!r}; load a partial model "
+                         "with engine.module.load_state_dict(..., strict=False)")
+    if custom_load_fn is not None:
+        raise ValueError("custom_load_fn is not supported: checkpoints are read through "
+                         "torch.distributed.checkpoint; pass custom_load_fn=None")
+
+
+def save_state_dict(state: dict | None, dtype: torch.dtype, save_dir: str, save_filename: str, world_size: int) -> None:
+    """Write rank 0's full state dict (`state`; None on the other ranks), floating entries cast to `dtype`,
+    to save_dir/save_filename atomically (a temporary name, then a rename); every rank returns once the
+    file is there (collective)."""
+    if state is not None:
+        state = {name: value.to(dtype) if value.is_floating_point() else value for name, value in state.items()}
+        os.makedirs(save_dir, exist_ok=True)
+        path = os.path.join(save_dir, save_filename)
+        temporary = f"{path}.tmp{os.getpid()}"
+        torch.save(state, temporary)
+        os.replace(temporary, path)
+    if world_size > 1:
+        dist.barrier()

@@ -10,10 +10,13 @@ A module may also have an `expert_bias` attribute ([E] tensor or None, the same 
 range after the step is reported.
 `StepStats` sums them over the micro-batches of an optimizer step and then over all ranks in one
 all-reduce; `Monitor` writes the result on rank 0: scalars, an expert-load histogram per layer and
-an experts x layers heatmap image.
+an experts x layers heatmap image. `StepReport` is what the engine reports of its steps through
+them, beside its progress line.
 """
 
 import functools
+import os
+import time
 from dataclasses import dataclass
 
 import torch
@@ -21,7 +24,7 @@ import torch.distributed as dist
 from einops import repeat
 from torch import nn
 
-__all__ = ["LayerStats", "Monitor", "StepStats"]
+__all__ = ["LayerStats", "Monitor", "StepReport", "StepStats"]
 
 PICTURE_INTERVAL = 10  # steps between expert-load histograms and heatmaps (scalars: every step)
 
@@ -242,6 +245,82 @@ class Monitor:
 
     def close(self) -> None:
         self.writer.close()
+
+
+class StepReport:
+    """What the engine reports of its training steps.
+
+    After each optimizer step: with TensorBoard, the step's loss and routing statistics summed over the
+    ranks (`StepStats`, one collective) and written by rank 0's `Monitor` with the lr, loss scale and
+    step time; every `steps_per_print` steps, rank 0's progress line (with `wall_clock_breakdown`, the
+    time spent in forward, backward and step since the last line) and, with `memory_breakdown`, each
+    rank's memory line.
+
+    Args:
+        config: the engine config (optim.config.EngineConfig): tensorboard, steps_per_print,
+            wall_clock_breakdown, memory_breakdown, train_batch_size.
+        model: the model whose MoE layers' statistics are read.
+        device: the model's device.
+        rank: this process's rank (rank 0 writes and prints).
+
+    Attributes:
+        monitor: rank 0's Monitor with TensorBoard, else None.
+        last_routing_stats: the last optimizer step's per-layer routing (LayerStats), with TensorBoard.
+        timers: seconds spent in forward, backward and step since the last progress line.
+    """
+
+    def __init__(self, config, model: nn.Module, device: torch.device, rank: int):
+        board = config.tensorboard
+        self.config, self.rank = config, rank
+        # Statistics are summed on every rank (one all-reduce per step); rank 0 writes them.
+        self.stats = StepStats(model, device) if board.enabled else None
+        self.monitor = Monitor(os.path.join(board.output_path or "runs", board.job_name)) \
+            if board.enabled and rank == 0 else None
+        self.last_routing_stats = []
+        self.timers = {"forward": 0.0, "backward": 0.0, "step": 0.0}
+        self.step_started = None  # when the step's first training forward began
+
+    def forward_started(self, start: float, training: bool) -> None:
+        if self.step_started is None and training:
+            self.step_started = start
+
+    def forward_ran(self, training: bool) -> None:
+        """Read the MoE layers' statistics of a training forward (with TensorBoard)."""
+        if self.stats is not None and training and torch.is_grad_enabled():
+            self.stats.collect()
+
+    def add_loss(self, loss: torch.Tensor) -> None:
+        if self.stats is not None and loss.numel() == 1:
+            self.stats.add_loss(loss)
+
+    def add_time(self, phase: str, start: float) -> None:
+        """The time since `start` (time.perf_counter) spent in `phase`: forward, backward or step."""
+        self.timers[phase] += time.perf_counter() - start
+
+    def step_done(self, step: int, skipped: int, lrs: list[float], loss_scale: float, memory) -> None:
+        """After optimizer step `step` (`skipped` of them skipped); `memory()` gives this rank's memory
+        breakdown. Collective with TensorBoard."""
+        config = self.config
+        if self.stats is not None:
+            self._write_statistics(step, lrs[0], loss_scale)
+        if self.rank == 0 and step % config.steps_per_print == 0:
+            line = f"step={step} skipped={skipped} lr={lrs} loss_scale={loss_scale}"
+            if config.wall_clock_breakdown:
+                line += " " + " ".join(f"{k}_ms={v * 1000:.1f}" for k, v in self.timers.items())
+                self.timers = dict.fromkeys(self.timers, 0.0)
+            print(line, flush=True)
+        if config.memory_breakdown and step % config.steps_per_print == 0:
+            print(f"rank {self.rank} memory: {memory()}", flush=True)
+
+    def _write_statistics(self, step: int, lr: float, loss_scale: float) -> None:
+        """Sum this step's loss and routing over the ranks (a collective); rank 0's monitor writes them."""
+        loss, layers = self.stats.reduce()
+        self.last_routing_stats = layers
+        now = time.perf_counter()
+        seconds, self.step_started = now - (self.step_started or now), None
+        if self.monitor is not None:
+            batch_size = self.config.train_batch_size
+            self.monitor.train_step(step, step * batch_size, lr, loss_scale, seconds, batch_size, loss, layers)
 
 
 def load_heatmap(loads: list[torch.Tensor], cell: int | None = None) -> torch.Tensor:

@@ -13,6 +13,9 @@ group's master weights. It comes from one of three places:
   whose updates read each parameter's shape, step on per-parameter views (`optim.shaped`); LBFGS and
   SparseAdam (`_UNFIT`) are refused.
 
+The engine's param groups start from the user's (`user_param_groups`: the optimizer's, or
+`model_parameters`), with expert parameters split into groups of their own (`split_expert_groups`).
+
 `ZeroOptimizer` is what `initialize` returns and `engine.optimizer` is: a torch `Optimizer` that
 forwards to the optimizer above and answers what scripts read of DeepSpeed's ZeRO wrapper
 (`.optimizer`, `.loss_scale`, `.cur_scale`, `.overflow`).
@@ -25,8 +28,10 @@ import torch
 
 from optim.config import ConfigTypeError, EngineConfig, accepted_params, check_params
 from optim.shaped import ShapedViews, shaped
+from parallel import split_group
 
-__all__ = ["ZeroOptimizer", "build_optimizer", "check_client_optimizer", "follow_split", "optimizer_params"]
+__all__ = ["ZeroOptimizer", "build_optimizer", "check_client_optimizer", "follow_split", "optimizer_params",
+           "split_expert_groups", "user_param_groups"]
 
 _OPTIMIZERS = {"adam": torch.optim.AdamW, "adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}
 _FUSED_DEVICES = {"cpu", "cuda", "xpu"}  # where torch's fused Adam and AdamW run (not meta)
@@ -62,6 +67,39 @@ def check_client_optimizer(optimizer, allow_untested: bool) -> None:
                       "shards that join each group's parameters, so its update must be elementwise (a norm per "
                       "parameter, as LAMB or LARS take, would span several); set zero_allow_untested_optimizer: "
                       "true in the config once it is", stacklevel=4)
+
+
+def user_param_groups(model: torch.nn.Module, model_parameters, optimizer) -> list[dict]:
+    """The user's param groups (dicts): the optimizer's when one was given, else from model_parameters."""
+    if isinstance(optimizer, torch.optim.Optimizer):
+        groups = optimizer.param_groups
+    elif model_parameters is None:
+        groups = [{"params": [p for p in model.parameters() if p.requires_grad]}]
+    else:
+        items = list(model_parameters)
+        groups = items if items and isinstance(items[0], dict) else [{"params": items}]
+    return [dict(g, params=list(g["params"])) for g in groups]
+
+
+def split_expert_groups(groups: list[dict], infos: dict, model: torch.nn.Module) -> tuple[list[dict], list[int]]:
+    """Each group's trainable dense parameters (flagged moe=False), then its expert groups (parallel.split_group);
+    and for each group made, the index of the user's group it came from.
+
+    Raises:
+        ValueError: a group holds a tensor that is not a parameter of the model.
+    """
+    known = {id(p) for p in model.parameters()}
+    out, origins = [], []
+    for index, group in enumerate(groups):
+        stray = next((p for p in group["params"] if id(p) not in known), None)
+        if stray is not None:
+            raise ValueError(f"param group {index} holds a tensor of shape {list(stray.shape)} that is not a parameter "
+                             "of the model; the engine trains the model's parameters only")
+        dense, experts = split_group({**group, "params": [p for p in group["params"] if id(p) in infos]})
+        made = ([{**dense, "moe": False}] if dense["params"] else []) + experts
+        out += made
+        origins += [index] * len(made)
+    return out, origins
 
 
 def build_optimizer(config: EngineConfig, optimizer, groups: list[dict], units_by_group: list[list],

@@ -71,7 +71,7 @@ def _engine(bucket_size, overlap, stage=2, accumulation=1):
 def _check_groups_and_unused(rank, world, expected, stage, accumulation):
     for bucket_size, overlap in [(WIDTH, True), (WIDTH, False), (WIDTH * WIDTH + WIDTH, True), (10**9, False)]:
         engine = _engine(bucket_size, overlap, stage, accumulation)
-        assert (engine._buckets is not None) == (stage <= 2), "stages 0-2 reduce in buckets on 2 ranks"
+        assert (engine.zero.buckets is not None) == (stage <= 2), "stages 0-2 reduce in buckets on 2 ranks"
         for step in range(STEPS * accumulation):
             engine.backward(engine(_batch(step, rank), _skip(rank)))
             engine.step()
