@@ -248,6 +248,9 @@ class Engine:
     def bfloat16_enabled(self) -> bool:
         return self.config.bf16.enabled
 
+    def zero_optimization_stage(self) -> int:
+        return self.stage
+
     def train_batch_size(self) -> int:
         """Samples per optimizer step over all ranks (the config's, resolved)."""
         return self.config.train_batch_size

@@ -91,12 +91,14 @@ def test_engine_queries_follow_the_config(monkeypatch):
     assert engine.train_batch_size() == 12 and engine.train_micro_batch_size_per_gpu() == 6
     assert engine.gradient_accumulation_steps() == ACCUMULATION
     assert engine.bfloat16_enabled() is True and engine.fp16_enabled() is False
+    assert engine.zero_optimization_stage() == config(2, ACCUMULATION, CLIP)["zero_optimization"]["stage"]
     assert engine.local_rank == 0 and engine.global_rank == 0 and engine.world_size == 1
     monkeypatch.setenv("LOCAL_RANK", "5")
     assert engine.local_rank == 5
     engine, *_ = initialize(model=Net(), config={**config(0, 1, CLIP), "fp16": {"enabled": True}})
     assert engine.fp16_enabled() is True and engine.bfloat16_enabled() is False
     assert engine.train_batch_size() == 6 and engine.gradient_accumulation_steps() == 1
+    assert engine.zero_optimization_stage() == 0
 
 
 def _reference_norms(world, steps):
