@@ -50,8 +50,7 @@ _FORMAT = 1
 
 def _dcp():
     """torch.distributed.checkpoint and this module's planners, imported when a checkpoint is written or
-    read: importing DCP took 1.2 s on a 2-core AMD EPYC, which every process that imports optim would
-    pay otherwise."""
+    read: importing DCP is slow, and every process that imports optim would pay for it otherwise."""
     import torch.distributed.checkpoint as dcp
 
     from optim import checkpoint_planners

@@ -172,7 +172,7 @@ class Monitor:
 
         What `add_scalar` writes per tag (a simple value), as one summary with a value per tag: TensorBoard
         reads each tag as before, and a step's dozen MoE statistics cost one event instead of twelve
-        (about 85 us each through `add_scalar`, most of it in the writer's queue and thread).
+        (each `add_scalar` pays for the writer's queue and thread).
         """
         if not values:
             return
