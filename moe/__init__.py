@@ -4,8 +4,9 @@ import sys
 
 from moe import dispatch, router
 
-# import paths the package had before its modules moved into moe.router and moe.dispatch (moe.gating:
-# see router/selection.py); registered before the layer is imported, so every module of moe may use them
+# short module names that scripts import (moe.gating, moe.expert_parallel, ...), each the same module as
+# its place in router/ or dispatch/ (moe.gating: see router/selection.py); registered before the layer is
+# imported, so every module of moe may use them
 for _old, _new in {
     "balancing": router.balancing, "expert_choice": router.expert_choice, "gate": router.gate,
     "gate_outputs": router.outputs, "gating": router.selection, "routing": router.plan,
