@@ -1,9 +1,7 @@
-"""permute and unpermute_combine against their torch references: forward, every gradient, gradcheck.
-
-Index layouts cover no tokens, one token, K = 1..3, dropped choices, empty buffer rows (padded
-layout) and non-power-of-two widths. Every test runs on the torch path and on the Triton kernels
-(interpreted on CPU, compiled on CUDA). Tolerances: fp32 1e-5; bf16 and fp16 against the fp32
-reference cast to the dtype, 1e-2.
+"""kernels.rows, the row gathers and sums under permute and unpermute_combine: the torch path's
+chunked widening of half-precision rows, the launchers' direct eager calls beside the custom ops that
+traces see, the CPU shortcuts and their cached index tensors, each against plain formulas or the
+torch references. Tolerances: fp32 1e-5; bf16 and fp16 1e-2.
 """
 
 import pytest
@@ -11,130 +9,10 @@ import torch
 
 from kernels import permute, permute_reference, unpermute_combine, unpermute_combine_reference
 from tests.devices import DEVICE
+from tests.kernels.layouts import row_layout
 
 FP32 = {"rtol": 1e-5, "atol": 1e-5}
 BF16 = {"rtol": 1e-2, "atol": 1e-2}
-
-
-def _layout(S, K, num_experts, capacity, drop_fraction, seed, packed):
-    """row_SK for a random routing: padded (row = e * C + slot) or packed (no empty rows)."""
-    g = torch.Generator().manual_seed(seed)
-    expert_SK = torch.stack([torch.randperm(num_experts, generator=g)[:K] for _ in range(S)]) if S else torch.zeros(0, K, dtype=torch.long)
-    dropped = torch.rand(S, K, generator=g) < drop_fraction
-    expert_SK = torch.where(dropped, -1, expert_SK)
-    row_SK = torch.full((S, K), -1, dtype=torch.long)
-    fill = [0] * num_experts
-    for s in range(S):
-        for j in range(K):
-            e = int(expert_SK[s, j])
-            if e >= 0 and fill[e] < capacity:
-                row_SK[s, j] = e * capacity + fill[e]
-                fill[e] += 1
-    num_rows = num_experts * capacity
-    if packed:
-        used = torch.sort(row_SK[row_SK >= 0]).values
-        remap = torch.full((num_rows,), -1, dtype=torch.long)
-        remap[used] = torch.arange(used.numel())
-        row_SK = torch.where(row_SK >= 0, remap[row_SK.clamp(min=0)], -1)
-        num_rows = used.numel()
-    return row_SK.to(DEVICE), num_rows
-
-
-CASES = [
-    # S, K, M, experts, capacity, drop fraction, packed
-    (0, 2, 8, 4, 3, 0.0, False),
-    (1, 1, 5, 2, 1, 0.0, True),
-    (7, 2, 33, 4, 3, 0.2, False),
-    (16, 3, 17, 5, 6, 0.3, True),
-    (32, 2, 64, 8, 5, 0.0, False),
-    (9, 1, 1, 3, 2, 0.5, True),
-]
-
-
-@pytest.mark.parametrize("S,K,M,E,C,drop,packed", CASES)
-def test_permute_matches_reference_forward_and_backward(S, K, M, E, C, drop, packed, kernel_backend):
-    row_SK, num_rows = _layout(S, K, E, C, drop, seed=S + K, packed=packed)
-    x = torch.randn(S, M, requires_grad=True, device=DEVICE)
-    x_ref = x.detach().clone().requires_grad_()
-    out = permute(x, row_SK, num_rows)
-    ref = permute_reference(x_ref, row_SK, num_rows)
-    torch.testing.assert_close(out, ref, **FP32)
-    grad = torch.randn_like(ref)
-    out.backward(grad)
-    ref.backward(grad)
-    torch.testing.assert_close(x.grad, x_ref.grad, **FP32)
-
-
-@pytest.mark.parametrize("S,K,M,E,C,drop,packed", CASES)
-def test_unpermute_combine_matches_reference_forward_and_backward(S, K, M, E, C, drop, packed, kernel_backend):
-    row_SK, num_rows = _layout(S, K, E, C, drop, seed=S * 3 + K, packed=packed)
-    buffer = torch.randn(num_rows, M, requires_grad=True, device=DEVICE)
-    weight = torch.rand(S, K, requires_grad=True, device=DEVICE)
-    buffer_ref = buffer.detach().clone().requires_grad_()
-    weight_ref = weight.detach().clone().requires_grad_()
-    out = unpermute_combine(buffer, row_SK, weight)
-    ref = unpermute_combine_reference(buffer_ref, row_SK, weight_ref)
-    torch.testing.assert_close(out, ref, **FP32)
-    grad = torch.randn_like(ref)
-    out.backward(grad)
-    ref.backward(grad)
-    torch.testing.assert_close(buffer.grad, buffer_ref.grad, **FP32)
-    torch.testing.assert_close(weight.grad, weight_ref.grad, **FP32)
-    if S:
-        assert bool((weight.grad[row_SK < 0] == 0).all()), "dropped choices get no weight gradient"
-
-
-def test_references_and_ops_pass_gradcheck_in_float64(kernel_backend):
-    row_SK, num_rows = _layout(6, 2, 3, 3, 0.25, seed=7, packed=False)
-    x = torch.randn(6, 5, dtype=torch.float64, requires_grad=True, device=DEVICE)
-    buffer = torch.randn(num_rows, 5, dtype=torch.float64, requires_grad=True, device=DEVICE)
-    weight = torch.rand(6, 2, dtype=torch.float64, requires_grad=True, device=DEVICE)
-    for fn in (permute, permute_reference):
-        assert torch.autograd.gradcheck(lambda t: fn(t, row_SK, num_rows), (x,))
-    for fn in (unpermute_combine, unpermute_combine_reference):
-        assert torch.autograd.gradcheck(lambda b, w: fn(b, row_SK, w), (buffer, weight))
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_half_precision_accumulates_in_fp32(dtype, kernel_backend):
-    row_SK, num_rows = _layout(24, 2, 4, 8, 0.1, seed=1, packed=False)
-    buffer = torch.randn(num_rows, 40, device=DEVICE)
-    weight = torch.rand(24, 2, device=DEVICE)
-    out = unpermute_combine(buffer.to(dtype), row_SK, weight)
-    assert out.dtype == dtype
-    expected = unpermute_combine_reference(buffer.to(dtype).float(), row_SK, weight).to(dtype)
-    torch.testing.assert_close(out, expected, **BF16)
-    x = torch.randn(24, 40, device=DEVICE)
-    torch.testing.assert_close(permute(x.to(dtype), row_SK, num_rows), permute_reference(x, row_SK, num_rows).to(dtype), **BF16)
-    buffer_h = buffer.to(dtype).requires_grad_()
-    weight_h = weight.clone().requires_grad_()
-    grad = torch.randn(24, 40, device=DEVICE)
-    unpermute_combine(buffer_h, row_SK, weight_h).backward(grad.to(dtype))
-    buffer_f = buffer.to(dtype).float().requires_grad_()
-    weight_f = weight.clone().requires_grad_()
-    unpermute_combine_reference(buffer_f, row_SK, weight_f).backward(grad.to(dtype).float())
-    torch.testing.assert_close(buffer_h.grad.float(), buffer_f.grad, **BF16)
-    torch.testing.assert_close(weight_h.grad, weight_f.grad, **BF16)
-
-
-def test_empty_rows_are_zero_and_results_deterministic(kernel_backend):
-    row_SK, num_rows = _layout(10, 2, 4, 6, 0.0, seed=2, packed=False)
-    x = torch.randn(10, 12, device=DEVICE)
-    buffer = permute(x, row_SK, num_rows)
-    empty = torch.ones(num_rows, dtype=torch.bool)
-    empty[row_SK[row_SK >= 0]] = False
-    assert bool((buffer[empty] == 0).all())
-    weight = torch.rand(10, 2, device=DEVICE)
-    assert torch.equal(unpermute_combine(buffer, row_SK, weight), unpermute_combine(buffer, row_SK, weight))
-
-
-def test_bad_shapes_fail_with_the_shape():
-    with pytest.raises(ValueError, match=r"row_SK must have shape \[4, K\], got \[3, 2\]"):
-        permute(torch.randn(4, 8, device=DEVICE), torch.zeros(3, 2, dtype=torch.long, device=DEVICE), 6)
-    with pytest.raises(TypeError, match="row_SK must be int64"):
-        permute(torch.randn(4, 8, device=DEVICE), torch.zeros(4, 2, dtype=torch.int32, device=DEVICE), 6)
-    with pytest.raises(ValueError, match=r"weight_SK must have shape \[4, 2\], got \[4, 3\]"):
-        unpermute_combine(torch.randn(6, 8, device=DEVICE), torch.zeros(4, 2, dtype=torch.long, device=DEVICE), torch.rand(4, 3, device=DEVICE))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -144,7 +22,7 @@ def test_half_precision_over_many_row_chunks_matches_fp32_sums(dtype, monkeypatc
     # widened values in fp32 (the Triton kernels widen per element; their cases are above)
     monkeypatch.setenv("MOE_KERNELS", "torch")
     S, K, M = 600, 2, 1024
-    row_SK, num_rows = _layout(S, K, 8, 160, 0.1, seed=5, packed=True)
+    row_SK, num_rows = row_layout(S, K, 8, 160, 0.1, seed=5, packed=True)
     buffer = torch.randn(num_rows, M, device=DEVICE).to(dtype).requires_grad_()
     weight = torch.rand(S, K, device=DEVICE, requires_grad=True)
     buffer_f = buffer.detach().float().requires_grad_()
@@ -174,7 +52,7 @@ def test_eager_calls_launch_directly_and_traces_see_the_custom_ops(monkeypatch):
 
     monkeypatch.setenv("MOE_KERNELS", "triton")
     S, K, M, E, C = 6, 2, 16, 3, 4
-    row_SK, num_rows = _layout(S, K, E, C, 0.2, 11, packed=False)
+    row_SK, num_rows = row_layout(S, K, E, C, 0.2, 11, packed=False)
     x = torch.randn(S, M, device=DEVICE)
     weight_SK = torch.rand(S, K, device=DEVICE)
     calls = []  # ("op" or "launch", launcher name) of every call, in order
