@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from moe import MoE, is_moe_param, split_params_into_different_moe_groups_for_optimizer
+from moe import MoE
 from tests.devices import DEVICE
 
 FP32 = {"rtol": 1e-5, "atol": 1e-6}
@@ -19,13 +19,6 @@ FP32 = {"rtol": 1e-5, "atol": 1e-6}
 
 def _mlp(m=8, h=12, act=nn.GELU, bias=True):
     return nn.Sequential(nn.Linear(m, h, bias=bias), act(), nn.Linear(h, m, bias=bias))
-
-
-def _loop_twin(layer: MoE, expert: nn.Module, **kwargs) -> MoE:
-    """The same layer with experts held as module copies (a fourth, parameter-free module defeats stacking)."""
-    looped = MoE(layer.hidden_size, nn.Sequential(*expert, nn.Identity()), **kwargs)
-    looped.load_state_dict(layer.state_dict())
-    return looped
 
 
 def _reference(layer: MoE, x_SM: torch.Tensor) -> torch.Tensor:
@@ -66,56 +59,6 @@ def test_dropped_tokens_get_zeros():
     out, _, _ = layer(x)
     dropped = ~layer.deepspeed_moe.routing.kept_SK[:, 0]
     assert dropped.any() and bool((out[dropped] == 0).all())
-
-
-@pytest.mark.parametrize("act", [nn.ReLU, nn.GELU, nn.SiLU, nn.Tanh, nn.Sigmoid])
-@pytest.mark.parametrize("compute", ["packed", "padded"])
-def test_stacked_experts_equal_the_module_loop(act, compute):
-    torch.manual_seed(2)
-    expert = _mlp(8, 40, act)
-    kwargs = dict(num_experts=4, k=2, capacity_factor=1.0, min_capacity=0, top2_2nd_expert_sampling=False)
-    stacked = MoE(8, expert, expert_layout=compute, **kwargs)
-    with torch.no_grad():  # distinct experts, as after training
-        for p in stacked.deepspeed_moe.experts.parameters():
-            p.add_(torch.randn_like(p) * 0.1)
-    assert stacked.deepspeed_moe.experts.stacked
-    looped = _loop_twin(stacked, expert, **kwargs)
-    assert not looped.deepspeed_moe.experts.stacked
-    x = torch.randn(50, 8, requires_grad=True)
-    x2 = x.detach().clone().requires_grad_()
-    out, l_aux, _ = stacked(x)
-    out2, l_aux2, _ = looped(x2)
-    torch.testing.assert_close(out, out2, **FP32)
-    grad = torch.randn_like(out)
-    (out * grad).sum().add(l_aux).backward()
-    (out2 * grad).sum().add(l_aux2).backward()
-    torch.testing.assert_close(x.grad, x2.grad, **FP32)
-    ex, ex2 = stacked.deepspeed_moe.experts, looped.deepspeed_moe.experts
-    for e in range(4):
-        torch.testing.assert_close(ex.weight1.grad[e], ex2.deepspeed_experts[e][0].weight.grad, **FP32)
-        torch.testing.assert_close(ex.bias1.grad[e], ex2.deepspeed_experts[e][0].bias.grad, **FP32)
-        torch.testing.assert_close(ex.weight2.grad[e], ex2.deepspeed_experts[e][2].weight.grad, **FP32)
-        torch.testing.assert_close(ex.bias2.grad[e], ex2.deepspeed_experts[e][2].bias.grad, **FP32)
-    torch.testing.assert_close(
-        stacked.deepspeed_moe.gate.wg.weight.grad, looped.deepspeed_moe.gate.wg.weight.grad, **FP32
-    )
-
-
-def test_packed_path_splits_large_experts_and_matches_the_loop():
-    torch.manual_seed(3)
-    expert = _mlp(16, 24, nn.ReLU, bias=False)
-    kwargs = dict(num_experts=2, k=2, capacity_factor=2.0, min_capacity=0, top2_2nd_expert_sampling=False)
-    stacked = MoE(16, expert, **kwargs)
-    looped = _loop_twin(stacked, expert, **kwargs)
-    x = torch.randn(300, 16)  # > 2 * 32 rows per expert: bulk and remainder pieces
-    out, _, _ = stacked(x)
-    out2, _, _ = looped(x)
-    torch.testing.assert_close(out, out2, **FP32)
-    out.sum().backward()
-    out2.sum().backward()
-    torch.testing.assert_close(
-        stacked.deepspeed_moe.experts.weight1.grad[1], looped.deepspeed_moe.experts.deepspeed_experts[1][0].weight.grad, **FP32
-    )
 
 
 def test_gradcheck_float64_through_gate_and_experts():
@@ -184,37 +127,6 @@ def test_half_precision_layer_matches_fp32_within_half_tolerance(dtype):
     torch.testing.assert_close(out.float(), expected, rtol=2e-2, atol=2e-2)
     out.float().sum().backward()
     assert x_half.grad is not None and half.deepspeed_moe.experts.weight1.grad.dtype == dtype
-
-
-def test_expert_parameters_are_tagged_and_split_into_moe_groups():
-    layer = MoE(8, _mlp(), num_experts=4, k=1, use_residual=True)
-    expert_params = list(layer.deepspeed_moe.experts.parameters())
-    assert all(is_moe_param(p) and p.group_name == "ep_size_1" for p in expert_params)
-    assert not is_moe_param(layer.deepspeed_moe.gate.wg.weight)
-    groups = split_params_into_different_moe_groups_for_optimizer(
-        {"params": list(layer.parameters()), "name": "parameters", "lr": 0.1}, max_group_size=8 * 12 * 4 + 12 * 4
-    )
-    dense, moe_groups = groups[0], groups[1:]
-    assert dense["name"] == "parameters" and not any(is_moe_param(p) for p in dense["params"])
-    assert all(g["moe"] and g["name"] == "ep_size_1" and g["lr"] == 0.1 for g in moe_groups)
-    # weight1 (384), weight2 (384), bias1 (48), bias2 (32) packed greedily into groups of <= 432 elements
-    assert [sum(p.numel() for p in g["params"]) for g in moe_groups] == [384, 432, 32]
-    assert sum(len(g["params"]) for g in moe_groups) == len(expert_params)
-    torch.optim.AdamW(groups)  # the groups are valid optimizer input
-
-
-def test_state_dicts_load_across_layouts_and_from_deepspeed_keys():
-    torch.manual_seed(9)
-    expert = _mlp()
-    stacked = MoE(8, expert, num_experts=3, k=1)
-    with torch.no_grad():
-        stacked.deepspeed_moe.experts.weight1.add_(torch.randn_like(stacked.deepspeed_moe.experts.weight1))
-    looped = _loop_twin(stacked, expert, num_experts=3, k=1)
-    keys = looped.state_dict().keys()
-    assert "deepspeed_moe.experts.deepspeed_experts.2.0.weight" in keys
-    again = MoE(8, expert, num_experts=3, k=1)
-    again.load_state_dict(looped.state_dict())
-    assert torch.equal(again.deepspeed_moe.experts.weight1, stacked.deepspeed_moe.experts.weight1)
 
 
 class _LargestTensor(TorchDispatchMode):
@@ -452,16 +364,6 @@ def test_the_layer_takes_deepspeeds_string_none_for_no_noise_and_one_name_of_the
     assert layer.deepspeed_moe.gate.config.noisy_gate_policy is None
     with pytest.raises(ValueError, match="expert_compute is the earlier name of expert_layout; pass one"):
         MoE(8, _mlp(), num_experts=4, k=1, expert_layout="padded", expert_compute="packed")
-
-
-def test_a_group_already_flagged_moe_and_named_keeps_its_name():
-    layer = MoE(8, _mlp(), num_experts=4, k=1)
-    experts = list(layer.deepspeed_moe.experts.parameters())
-    groups = split_params_into_different_moe_groups_for_optimizer(
-        [{"params": [layer.deepspeed_moe.gate.wg.weight], "name": "dense"},
-         {"params": experts, "name": "my_experts", "moe": True, "lr": 0.5}], max_group_size=None)
-    moe_groups = [g for g in groups if g["params"] and g.get("moe")]
-    assert [(g["name"], g["lr"], len(g["params"])) for g in moe_groups] == [("my_experts", 0.5, len(experts))]
 
 
 @pytest.mark.parametrize("pool", ["1", "0"])
