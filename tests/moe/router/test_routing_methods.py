@@ -1,28 +1,26 @@
 """The routers of current MoE models against definitions written here from the papers' formulas.
 
-Sigmoid scoring and the expert bias (DeepSeek-V3; Wang et al. 2024), the sequence-wise and
-global-batch balance losses (DeepSeek-V3; Qiu et al. 2025), group-limited routing (DeepSeek-V2/V3),
-expert-choice routing (Zhou et al. 2022) and shared experts (DeepSeekMoE, Qwen-MoE). Each reference
-loops over tokens, sequences or experts in plain torch; chosen experts are compared exactly, weights,
-losses and gradients within fp32 tolerance (float64 where a gradient is compared).
+Sigmoid scoring and the expert bias (DeepSeek-V3; Wang et al. 2024), the gate's global-batch counts,
+group-limited routing (DeepSeek-V2/V3) and shared experts (DeepSeekMoE, Qwen-MoE), with the options'
+bad combinations and every method in every layout. Each reference loops over tokens or groups in plain
+torch; chosen experts are compared exactly, weights, losses and gradients within fp32 tolerance
+(float64 where a gradient is compared). The balance losses and the bias update have their tests in
+test_balancing.py, expert-choice routing in test_expert_choice.py.
 """
-
-import math
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import moe
-from moe import MoE, TopKGate, expert_choice_gating, topkgating
-from moe.router.balancing import update_bias
+from moe import MoE, TopKGate, topkgating
+from tests.moe.router.references import reference_switch_loss, weights_by_expert
 
 RTOL, ATOL = 1e-5, 1e-6
 F64 = {"rtol": 1e-10, "atol": 1e-12}
 
 
-# References, one token, sequence or expert at a time.
+# References, one token at a time.
 
 def _reference_topk(logits, k, scoring="softmax", bias=None, n_group=None, topk_group=None, norm=True, scale=1.0):
     """Per token: scores, selection on scores + bias within the best groups, weights from the scores."""
@@ -46,46 +44,10 @@ def _reference_topk(logits, k, scoring="softmax", bias=None, n_group=None, topk_
     return torch.tensor(experts), torch.stack(weights)
 
 
-def _normalized(logits, scoring):
-    s = torch.softmax(logits, 1) if scoring == "softmax" else torch.sigmoid(logits)
-    return s / s.sum(1, keepdim=True)
-
-
-def _reference_seq_loss(logits, experts_SK, seq_len, scoring):
-    """DeepSeek-V3: per sequence f_i = E / (K T) sum_t 1(i chosen at t), P_i = mean_t s'_{i,t}; mean over sequences."""
-    S, E = logits.shape
-    K = experts_SK.shape[1]
-    probs = _normalized(logits, scoring)
-    losses = []
-    for b in range(S // seq_len):
-        rows = range(b * seq_len, (b + 1) * seq_len)
-        f = torch.zeros(E, dtype=logits.dtype)
-        for t in rows:
-            for e in experts_SK[t].tolist():
-                f[e] += E / (K * seq_len)
-        P = probs[list(rows)].mean(0)
-        losses.append((f * P).sum())
-    return torch.stack(losses).mean()
-
-
-def _reference_switch_loss(logits, counts, scoring):
-    """E * sum_i f_i P_i, f_i = c_i / sum_j c_j (counts given, so f carries no gradient)."""
-    E = logits.shape[1]
-    f = counts.to(logits.dtype) / counts.sum()
-    return E * (f * _normalized(logits, scoring).mean(0)).sum()
-
-
 def _same_choices(plan_SK, reference_SK):
     """The same set of experts per token (the column order of a top-k is not part of the contract)."""
     assert sorted(map(sorted, plan_SK.tolist())) == sorted(map(sorted, reference_SK.tolist()))
     assert [sorted(r) for r in plan_SK.tolist()] == [sorted(r) for r in reference_SK.tolist()]
-
-
-def _weights_by_expert(plan, S, E):
-    dense = torch.zeros(S, E, dtype=plan.weight_SK.dtype)
-    kept = plan.expert_idx_SK >= 0
-    rows = torch.arange(S).unsqueeze(1).expand_as(plan.expert_idx_SK)[kept]
-    return dense.index_put((rows, plan.expert_idx_SK[kept]), plan.weight_SK[kept], accumulate=True)
 
 
 def _reference_dense_weights(experts, weights, E):
@@ -133,24 +95,12 @@ def test_random_logits_choices_weights_and_gradients(scoring, k):
                       routed_scaling_factor=1.5)
     experts, weights = _reference_topk(logits, k, scoring, bias, scale=1.5)
     _same_choices(plan.expert_idx_SK, experts)
-    got, want = _weights_by_expert(plan, S, E), _reference_dense_weights(experts, weights, E)
+    got, want = weights_by_expert(plan, S, E), _reference_dense_weights(experts, weights, E)
     torch.testing.assert_close(got, want, **F64)
     probe = torch.randn(S, E, dtype=torch.float64)
     (grad,) = torch.autograd.grad((got * probe).sum(), logits)
     (grad_ref,) = torch.autograd.grad((want * probe).sum(), logits)
     torch.testing.assert_close(grad, grad_ref, **F64)
-
-
-def test_bias_after_several_updates_follows_the_sign_rule():
-    u = 0.01
-    counts_steps = [torch.tensor([5, 1, 2, 0]), torch.tensor([2, 2, 2, 2]), torch.tensor([0, 7, 1, 0])]
-    bias = torch.zeros(4)
-    expected = [0.0] * 4
-    for counts in counts_steps:
-        update_bias(bias, counts, u)
-        mean = sum(counts.tolist()) / 4
-        expected = [b + u * ((mean > c) - (mean < c)) for b, c in zip(expected, counts.tolist())]
-    torch.testing.assert_close(bias, torch.tensor(expected), rtol=0, atol=1e-7)
 
 
 def test_gate_bias_moves_against_the_load_and_only_after_update_routing():
@@ -188,49 +138,7 @@ def test_bias_stays_fp32_is_saved_and_step_counts_are_not():
     assert not any("step_counts" in key or "global_counts" in key for key in keys)
 
 
-# Balance losses.
-
-@pytest.mark.parametrize("scoring", ["softmax", "sigmoid"])
-def test_sequence_loss_and_its_gradient_equal_the_per_sequence_formula(scoring):
-    torch.manual_seed(1)
-    B, T, E, k = 3, 10, 6, 2
-    logits = torch.randn(B * T, E, dtype=torch.float64, requires_grad=True)
-    plan = topkgating(logits, k, 1.0, 0, drop_tokens=False, scoring_func=scoring, load_balancing_type="seq_aux_loss",
-                      seq_len=T)
-    reference = _reference_seq_loss(logits, plan.expert_idx_SK, T, scoring)
-    torch.testing.assert_close(plan.l_aux, reference, **F64)
-    (grad,) = torch.autograd.grad(plan.l_aux, logits)
-    (grad_ref,) = torch.autograd.grad(reference, logits)
-    torch.testing.assert_close(grad, grad_ref, **F64)
-
-
-def test_sequence_loss_hand_made_value():
-    # two sequences of two tokens, E = 2, k = 1, equal logits: P = 1/2 each; sequence 0 sends both tokens to
-    # expert 0 (f = [2, 0]), sequence 1 one to each (f = [1, 1]): losses 1 and 1, mean 1.
-    logits = torch.tensor([[1.0, 0.0], [1.0, 0.0], [1.0, 0.0], [0.0, 1.0]])
-    plan = topkgating(logits, 1, 1.0, 0, drop_tokens=False, load_balancing_type="seq_aux_loss", seq_len=2)
-    p = torch.softmax(torch.tensor([1.0, 0.0]), 0)
-    seq0 = 2 * (1.0 * p[0])  # f = [1, 0] as fractions, E = 2
-    seq1 = 2 * (0.5 * (p[0] + p[1]) / 2 + 0.5 * (p[1] + p[0]) / 2)
-    torch.testing.assert_close(plan.l_aux, (seq0 + seq1) / 2, rtol=RTOL, atol=ATOL)
-
-
-@pytest.mark.parametrize("scoring", ["softmax", "sigmoid"])
-def test_global_loss_uses_given_counts_and_differentiates_through_p_only(scoring):
-    torch.manual_seed(2)
-    S, E, k = 24, 8, 2
-    logits = torch.randn(S, E, dtype=torch.float64, requires_grad=True)
-    outside = torch.randint(0, 50, (E,))
-    plan = topkgating(logits, k, 1.0, 0, drop_tokens=False, scoring_func=scoring, load_balancing_type="global_aux_loss",
-                      global_counts=lambda counts: counts + outside)
-    reference = _reference_switch_loss(logits, plan.exp_counts + outside, scoring)
-    torch.testing.assert_close(plan.l_aux, reference, **F64)
-    (grad,) = torch.autograd.grad(plan.l_aux, logits)
-    (grad_ref,) = torch.autograd.grad(reference, logits)
-    torch.testing.assert_close(grad, grad_ref, **F64)
-    alone = topkgating(logits, k, 1.0, 0, drop_tokens=False, scoring_func=scoring, load_balancing_type="global_aux_loss")
-    torch.testing.assert_close(alone.l_aux, _reference_switch_loss(logits, plan.exp_counts, scoring), **F64)
-
+# The global-batch balance loss's counts, kept by the gate.
 
 def test_gate_accumulates_global_counts_over_micro_batches():
     torch.manual_seed(3)
@@ -241,25 +149,9 @@ def test_gate_accumulates_global_counts_over_micro_batches():
     total = first.exp_counts + second.exp_counts
     assert torch.equal(gate.global_counts, total)
     logits2 = x2 @ gate.wg.weight.t()
-    torch.testing.assert_close(second.l_aux, _reference_switch_loss(logits2, total, "softmax"), **F64)
+    torch.testing.assert_close(second.l_aux, reference_switch_loss(logits2, total, "softmax"), **F64)
     moe.update_routing(gate)
     assert int(gate.global_counts.sum()) == 0
-
-
-def test_no_balance_loss_and_defaults_unchanged():
-    torch.manual_seed(4)
-    logits = torch.randn(20, 4)
-    assert float(topkgating(logits, 2, 1.0, 0, load_balancing_type="none").l_aux) == 0.0
-    gates = torch.softmax(logits, 1)
-    plan = topkgating(logits, 3, 1.0, 0)
-    torch.testing.assert_close(plan.l_aux, 4 * (gates.mean(0) * plan.exp_counts / (20 * 3)).sum(), rtol=RTOL, atol=ATOL)
-
-
-def test_sigmoid_aux_loss_takes_p_from_normalised_scores():
-    torch.manual_seed(5)
-    logits = torch.randn(30, 6, dtype=torch.float64)
-    plan = topkgating(logits, 2, 1.0, 0, drop_tokens=False, scoring_func="sigmoid")
-    torch.testing.assert_close(plan.l_aux, _reference_switch_loss(logits, plan.exp_counts, "sigmoid"), **F64)
 
 
 # Group-limited routing.
@@ -284,85 +176,11 @@ def test_group_limited_random_equals_reference(scoring, n_group, topk_group, k):
                       topk_group=topk_group)
     experts, weights = _reference_topk(logits, k, scoring, bias, n_group, topk_group)
     _same_choices(plan.expert_idx_SK, experts)
-    got, want = _weights_by_expert(plan, S, E), _reference_dense_weights(experts, weights, E)
+    got, want = weights_by_expert(plan, S, E), _reference_dense_weights(experts, weights, E)
     torch.testing.assert_close(got, want, **F64)
     size = E // n_group
     groups_reached = (plan.expert_idx_SK // size).tolist()
     assert max(len(set(r)) for r in groups_reached) <= topk_group
-
-
-# Expert choice.
-
-def _reference_expert_choice(logits, capacity_factor):
-    S, E = logits.shape
-    C = min(math.ceil(S * capacity_factor / E), S)
-    scores = torch.softmax(logits, 1)
-    dense = torch.zeros(S, E, dtype=logits.dtype)
-    for e in range(E):
-        tokens = sorted(range(S), key=lambda s: (-scores[s, e].item(), s))[:C]
-        for s in tokens:
-            dense[s, e] = scores[s, e]
-    return dense, C
-
-
-def test_expert_choice_hand_made():
-    # 4 tokens, 2 experts, C = ceil(4 * 1 / 2) = 2: expert 0 takes tokens 0 and 1, expert 1 tokens 3 and 2
-    logits = torch.tensor([[3.0, 0.0], [2.0, 0.0], [0.0, 0.5], [0.0, 3.0]])
-    plan = expert_choice_gating(logits, 1.0)
-    assert plan.capacity == 2 and plan.expert_idx_SK.shape == (4, 2)
-    assert plan.expert_idx_SK.tolist() == [[0, -1], [0, -1], [-1, 1], [-1, 1]]
-    assert plan.slot_SK.tolist() == [[0, -1], [1, -1], [-1, 0], [-1, 1]]
-    scores = torch.softmax(logits, 1)
-    torch.testing.assert_close(plan.weight_SK.sum(1), torch.stack([scores[0, 0], scores[1, 0], scores[2, 1],
-                                                                   scores[3, 1]]), rtol=RTOL, atol=ATOL)
-    assert plan.exp_counts.tolist() == [2, 2] and float(plan.l_aux) == 0.0
-
-
-@pytest.mark.parametrize("capacity_factor", [0.5, 1.0, 2.0, 3.5])
-def test_expert_choice_random_equals_reference_with_gradients(capacity_factor):
-    torch.manual_seed(int(capacity_factor * 10))
-    S, E = 30, 6
-    logits = torch.randn(S, E, dtype=torch.float64, requires_grad=True)
-    plan = expert_choice_gating(logits, capacity_factor)
-    want, C = _reference_expert_choice(logits, capacity_factor)
-    assert plan.capacity == C and plan.kept_counts().tolist() == [C] * E
-    got = _weights_by_expert(plan, S, E)
-    torch.testing.assert_close(got, want, **F64)
-    probe = torch.randn(S, E, dtype=torch.float64)
-    (grad,) = torch.autograd.grad((got * probe).sum(), logits)
-    (grad_ref,) = torch.autograd.grad((want * probe).sum(), logits)
-    torch.testing.assert_close(grad, grad_ref, **F64)
-
-
-def test_expert_choice_layer_every_layout_equals_the_reference():
-    torch.manual_seed(6)
-    M, H, E, S = 8, 12, 4, 20
-    expert = nn.Sequential(nn.Linear(M, H), nn.GELU(), nn.Linear(H, M))
-    outputs = {}
-    for compute in ("padded", "packed", "grouped"):
-        torch.manual_seed(7)
-        layer = MoE(M, expert, num_experts=E, routing="expert_choice", capacity_factor=1.5, expert_layout=compute)
-        x = torch.randn(S, M)
-        outputs[compute] = layer(x)[0]
-    torch.manual_seed(7)
-    layer = MoE(M, expert, num_experts=E, routing="expert_choice", capacity_factor=1.5)
-    x = torch.randn(S, M)
-    logits = x @ layer.deepspeed_moe.gate.wg.weight.t()
-    weights, _ = _reference_expert_choice(logits, 1.5)
-    reference = torch.zeros(S, M)
-    for e in range(E):
-        copy = nn.Sequential(nn.Linear(M, H), nn.GELU(), nn.Linear(H, M))
-        copy.load_state_dict(expert.state_dict())
-        reference += weights[:, e:e + 1] * copy(x)
-    for compute, out in outputs.items():
-        torch.testing.assert_close(out, reference, rtol=RTOL, atol=1e-5, msg=compute)
-
-
-def test_expert_choice_used_token_never_chosen():
-    logits = torch.randn(8, 2)
-    used = torch.tensor([1, 1, 1, 0, 0, 0, 0, 0])
-    plan = expert_choice_gating(logits, 2.0, used_token=used)  # C = 8 > 3 used tokens
-    assert bool((plan.expert_idx_SK[3:] == -1).all()) and plan.kept_counts().tolist() == [3, 3]
 
 
 # Shared experts.
