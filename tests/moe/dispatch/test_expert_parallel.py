@@ -4,15 +4,25 @@ Each rank feeds its own tokens; the reference feeds every rank's tokens in turn.
 must match per rank, and gradients after summing over the ranks that share a parameter (the gate over
 everyone, each expert over its expert-data-parallel group), experts gathered by global id. fp32,
 1e-5 relative.
+
+The expert-parallel dispatchers of moe.dispatch (padded, packed, grouped, per-rank) are also checked
+alone at world 2 and 4 (ep 2 and 4), given a gate's plan: outputs and the gradients of the tokens and
+combine weights equal the one-process reference of tests/moe/dispatch/reference.py, and each expert's
+gradient equals the reference's summed over the ranks of the expert-parallel group, which share the
+expert's rows.
 """
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from moe import MoE
+from moe.dispatch import PackedExpertParallel, PaddedExpertParallel, PerRankExchange
 from parallel import expert_groups, reset_groups
 from tests.distributed import run_distributed
+from tests.moe.dispatch import reference as dispatch_reference  # its E: the plans' experts, beside this file's E
+from tests.moe.dispatch.reference import GATES, grads, reference_output, run, stacked_experts, tokens_and_plan
 
 FP32 = {"rtol": 1e-5, "atol": 1e-5}
 S, M, H, E = 24, 8, 16, 8
@@ -151,3 +161,41 @@ def test_ep_size_1_runs_no_collectives(monkeypatch):
         out, l_aux, _ = layer(torch.randn(S, M))
         (out.sum() + l_aux).backward()
     assert calls == []
+
+
+EP_DISPATCHERS = {
+    "padded": lambda ep, group, case: PaddedExpertParallel(ep, group, equal_tokens=GATES[case].get("drop_tokens", True)),
+    "packed": lambda ep, group, case: PackedExpertParallel(ep, group),
+    "grouped": lambda ep, group, case: PackedExpertParallel(ep, group, grouped_gemm=True),
+    "per-rank": lambda ep, group, case: PerRankExchange(ep, group),
+}
+
+
+def _check_expert_parallel(rank, world, ep_size, name, case):
+    reset_groups()
+    groups = expert_groups(ep_size)
+    L = dispatch_reference.E // ep_size
+    x, routing, grad = tokens_and_plan(case, rank, groups.ep_group)
+    experts, every = stacked_experts(groups.ep_rank * L, L), stacked_experts(0, dispatch_reference.E)
+    out = run(EP_DISPATCHERS[name](ep_size, groups.ep_group, case), x, routing, experts)
+    expected = reference_output(x, routing, every)
+    torch.testing.assert_close(out, expected, **FP32)
+    got = grads(out, grad, [x, routing.weight_SK, *experts.parameters()])
+    want = grads(expected, grad, [x, routing.weight_SK, *every.parameters()])
+    for g, w in zip(got[:2], want[:2]):  # this rank's tokens and combine weights
+        torch.testing.assert_close(g, w, **FP32)
+    for g, w in zip(got[2:], want[2:]):  # the experts saw rows from every rank of the group
+        w = w.clone()
+        dist.all_reduce(w, group=groups.ep_group)
+        torch.testing.assert_close(g, w[groups.ep_rank * L:groups.ep_rank * L + L], **FP32)
+
+
+def _check_every_dispatcher(rank, world, ep_size):
+    for name in EP_DISPATCHERS:
+        for case in GATES:
+            _check_expert_parallel(rank, world, ep_size, name, case)
+
+
+@pytest.mark.parametrize("world, ep_size", [(2, 2), (4, 2), (4, 4)])
+def test_expert_parallel_dispatchers_equal_the_reference(world, ep_size):
+    run_distributed(_check_every_dispatcher, world, ep_size)
