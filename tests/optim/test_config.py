@@ -1,14 +1,15 @@
-"""Config parsing, the loss scaler's rules and DeepSpeed's schedules, in one process."""
+"""Config parsing, in one process: batch sizes, bad and unknown keys named by their path, optimizer and
+scheduler params checked before training, compatibility and deprecated keys, offload without an
+accelerator, and the TensorBoard and data-loader settings through `initialize`. The loss scaler's rules
+have their tests in test_scaler.py, DeepSpeed's schedules in test_schedulers.py."""
 
 import json
-import math
 import warnings
 
 import pytest
 import torch
 
-from optim import ConfigTypeError, LossScaler, LossScalerConfig, initialize, parse_config
-from optim.schedulers import build_scheduler
+from optim import ConfigTypeError, initialize, parse_config
 from tests.optim.models import Net
 
 
@@ -160,51 +161,6 @@ def test_offload_on_a_cpu_only_machine_is_reported_without_effect():
               "zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}}
     with pytest.warns(UserWarning, match="offload_optimizer has no effect"):
         initialize(Net(), config=config)
-
-
-def test_loss_scaler_rules():
-    scaler = LossScaler(LossScalerConfig(initial_scale_power=3, loss_scale_window=3, hysteresis=2, min_loss_scale=2))
-    seen = []
-    for overflow in (True, True, True, True, False, False, False, False, False, False):
-        scaler.update(overflow)
-        seen.append(scaler.scale)
-    # hysteresis absorbs the first overflow; then halving, floored at 2; 3 clean iterations double
-    assert seen == [8, 4, 2, 2, 2, 2, 4, 4, 4, 8]
-    static = LossScaler(LossScalerConfig(static_scale=128))
-    static.update(True)
-    assert static.scale == 128
-    consecutive = LossScaler(LossScalerConfig(initial_scale_power=3, hysteresis=2, consecutive_hysteresis=True))
-    for overflow in (True, False, True):
-        consecutive.update(overflow)
-    assert consecutive.scale == 8  # the clean iteration refilled the hysteresis budget
-
-
-def _lrs(name, params, steps, lr=0.1):
-    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=lr)
-    schedule = build_scheduler(name, optimizer, params)
-    lrs = [optimizer.param_groups[0]["lr"]]
-    for _ in range(steps):
-        schedule.step()
-        lrs.append(optimizer.param_groups[0]["lr"])
-    return lrs, optimizer
-
-
-def test_schedules_follow_deepspeed_formulas():
-    lrs, _ = _lrs("WarmupLR", {"warmup_min_lr": 0.0, "warmup_max_lr": 1.0, "warmup_num_steps": 4}, 6)
-    assert lrs == pytest.approx([0, 0, math.log(2) / math.log(4), math.log(3) / math.log(4), 1, 1, 1])
-    lrs, _ = _lrs("WarmupDecayLR", {"total_num_steps": 8, "warmup_max_lr": 1.0, "warmup_num_steps": 4,
-                                    "warmup_type": "linear"}, 9)
-    assert lrs == pytest.approx([0, 0, 0.25, 0.5, 0.75, 1.0, 0.75, 0.5, 0.25, 0.0])
-    lrs, _ = _lrs("WarmupCosineLR", {"total_num_steps": 6, "warmup_num_steps": 2, "cos_min_ratio": 0.0,
-                                     "warmup_type": "linear"}, 6, lr=2.0)
-    assert lrs == pytest.approx([0, 0, 1.0, 2 * (1 + math.cos(math.pi / 4)) / 2, 1.0, 2 * (1 + math.cos(3 * math.pi / 4)) / 2, 0])
-    lrs, optimizer = _lrs("OneCycle", {"cycle_min_lr": 0.1, "cycle_max_lr": 0.5, "cycle_first_step_size": 2,
-                                       "cycle_min_mom": 0.8, "cycle_max_mom": 0.9}, 5)
-    assert lrs == pytest.approx([0.1, 0.3, 0.5, 0.3, 0.1, 0.1])
-    assert optimizer.param_groups[0]["betas"][0] == pytest.approx(0.9)
-    lrs, _ = _lrs("LRRangeTest", {"lr_range_test_min_lr": 0.1, "lr_range_test_step_size": 2,
-                                  "lr_range_test_step_rate": 1.0, "lr_range_test_staircase": True}, 4)
-    assert lrs == pytest.approx([0.1, 0.1, 0.2, 0.2, 0.3])
 
 
 def test_tensorboard_dataloader_and_a_given_optimizer(tmp_path):

@@ -5,7 +5,8 @@ DeepSpeed 0.19.8's `add_config_arguments` (read in its source) adds --deepspeed,
 --deepscale, --deepscale_config and no --deepspeed_mpi; its `initialize` takes `config`, then
 `config_params`, then `args.deepspeed_config` (`args.deepscale_config` with a deprecation warning),
 and refuses a config given both ways. Its engine's `get_global_grad_norm()` is the step's norm before
-clipping; `save_16bit_model` writes the module's state dict and returns True.
+clipping; `save_16bit_model` writes the module's state dict and returns True. `GatheredParameters`
+has its tests in test_gathered.py.
 """
 
 import argparse
@@ -13,7 +14,6 @@ import json
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from optim import add_config_arguments, initialize
 from parallel import reset_groups
@@ -188,56 +188,3 @@ def test_load_module_only_reads_the_weights_and_keeps_the_rest(tmp_path):
         assert torch.equal(engine.optimizer.state[unit.proxy]["exp_avg"], state[id(unit.proxy)]["exp_avg"])
     with pytest.raises(ValueError, match=r"load_module_strict must be True, got False"):
         engine.load_checkpoint(str(tmp_path), tag="warm", load_module_strict=False)
-
-
-def test_gathered_parameters_and_empty_partition_cache_below_stage_3_change_nothing():
-    from optim.zero import GatheredParameters
-
-    engine, *_ = initialize(model=Net(), config=config(2, ACCUMULATION, CLIP))
-    weight = engine.module.inp.weight
-    with GatheredParameters(weight, modifier_rank=0) as gathered:
-        assert engine.module.inp.weight is weight and gathered.params == []  # whole already
-    engine.empty_partition_cache()
-    engine_steps(engine, 1, 0, ACCUMULATION)
-    with pytest.raises(ValueError, match=r"modifier_rank must be None or a rank in \[0, 1\), got 3"):
-        GatheredParameters([weight], modifier_rank=3)
-
-
-def _gathered_at_stage_3(rank, world):
-    from optim.zero import GatheredParameters
-
-    reset_groups()
-    engine, *_ = initialize(model=Net(), config=config(3, ACCUMULATION, CLIP))
-    engine_steps(engine, 1, rank, ACCUMULATION)
-    engine.empty_partition_cache()  # shards again after the step: the context starts from shards
-    before = engine.consolidated_state_dict()
-    before = [before] if rank == 0 else [None]
-    dist.broadcast_object_list(before, src=0)
-    module = engine.module
-    sharded = (module.inp.weight, module.moe.deepspeed_moe.experts.weight1)
-    with GatheredParameters(list(sharded), modifier_rank=1):
-        whole = (module.inp.weight, module.moe.deepspeed_moe.experts.weight1)
-        assert all(type(w) is torch.nn.Parameter for w in whole)  # plain tensors, not DTensor shards
-        torch.testing.assert_close(whole[0].detach(), before[0]["inp.weight"], rtol=0, atol=0)
-        torch.testing.assert_close(whole[1].detach(), before[0]["moe.deepspeed_moe.experts.weight1"], rtol=0, atol=0)
-        with torch.no_grad():
-            whole[0].fill_(float(rank) + 1.0)  # only rank 1's write is kept
-            whole[1].mul_(0.0)
-    assert module.inp.weight is sharded[0] and module.moe.deepspeed_moe.experts.weight1 is sharded[1]
-    after = engine.consolidated_state_dict()
-    if rank == 0:
-        assert torch.equal(after["inp.weight"], torch.full_like(after["inp.weight"], 2.0))
-        assert not after["moe.deepspeed_moe.experts.weight1"].any()
-        assert torch.equal(after["out.weight"], before[0]["out.weight"])
-    with GatheredParameters(module.out.weight):  # read only: nothing is written back
-        with torch.no_grad():
-            module.out.weight.fill_(9.0)
-    after = engine.consolidated_state_dict()
-    if rank == 0:
-        assert torch.equal(after["out.weight"], before[0]["out.weight"])
-    engine_steps(engine, 1, rank, ACCUMULATION, first_step=1)  # trains on from the written weights
-    assert engine.global_steps == 2
-
-
-def test_gathered_parameters_at_stage_3_reads_and_writes_whole_parameters():
-    run_distributed(_gathered_at_stage_3, 2, timeout_s=180)

@@ -1,8 +1,12 @@
-"""A torch optimizer the user built, passed to `initialize`: taken as it is, at every ZeRO stage.
+"""The engine's optimizer (optim.optimizer): a torch optimizer the user built, passed to `initialize`,
+is taken as it is at every ZeRO stage (settings, state, hooks and schedule kept, expert groups split
+off, unfit classes refused), and the wrapper `initialize` returns answers what scripts read of
+DeepSpeed's.
 
 Each check compares the engine with the same optimizer class stepping the same model without the
-engine (the one-process reference of tests.optim.models), fp32, within RTOL/ATOL. Runs in one
-process but for the 2-process stage 1-3 test at the end.
+engine (tests/optim/client.py, on the one-process reference of tests.optim.models), fp32, within
+RTOL/ATOL. Runs in one process but for the 2-process tests at the end. The optimizers that read each
+parameter's shape (Muon, Adafactor's factored state) have their tests in test_shaped.py.
 """
 
 import inspect
@@ -14,59 +18,27 @@ from torch import nn
 from optim import initialize
 from parallel import reset_groups
 from tests.distributed import run_distributed
+from tests.optim.client import ATOL, LR, RTOL, assert_same_model, client_engine, client_reference, two_groups
 from tests.optim.models import Net, batch, config, engine_steps, loss_of, reference_steps
 
-RTOL, ATOL = 1e-5, 1e-6
-LR = 0.01
-
 # every torch.optim class that takes params and lr, but the two the engine refuses (test below) and
-# Muon, which takes 2-D parameters only (its own test)
+# Muon, which takes 2-D parameters only (its own test, in test_shaped.py)
 REFUSED = {"LBFGS", "SparseAdam"}
 CLASSES = sorted(name for name, cls in vars(torch.optim).items()
                  if inspect.isclass(cls) and issubclass(cls, torch.optim.Optimizer) and cls is not torch.optim.Optimizer
                  and "lr" in inspect.signature(cls.__init__).parameters and name not in REFUSED | {"Muon"})
 
 
-def _groups(model):
-    """Two groups with their own settings (the router's weight decayed less), as scripts pass them."""
-    router = [p for n, p in model.named_parameters() if "gate" in n]
-    rest = [p for n, p in model.named_parameters() if "gate" not in n]
-    return [{"params": rest}, {"params": router, "lr": LR / 2}]
-
-
-def _reference(cls, steps=2, accumulation=2, clip=0.0, **kwargs):
-    model = Net()
-    optimizer = cls(_groups(model), lr=LR, **kwargs)
-    reference_steps(model, optimizer, steps, 1, accumulation, clip)
-    return model
-
-
-def _engine(cls, stage, steps=2, accumulation=2, clip=0.0, **kwargs):
-    model = Net()
-    optimizer = cls(_groups(model), lr=LR, **kwargs)
-    engine, returned, _, _ = initialize(model=model, optimizer=optimizer,
-                                        config=config(stage, accumulation, clip, optimizer=None))
-    assert returned is engine.optimizer and returned.optimizer is optimizer
-    engine_steps(engine, steps, 0, accumulation)
-    return engine
-
-
-def _assert_same_model(engine, reference):
-    got = dict(engine.module.named_parameters())
-    for name, expected in reference.named_parameters():
-        torch.testing.assert_close(got[name].detach(), expected.detach(), rtol=RTOL, atol=ATOL, msg=name)
-
-
 @pytest.mark.parametrize("name", CLASSES)
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_every_torch_optimizer_steps_as_without_the_engine(name, stage):
     cls = getattr(torch.optim, name)
-    _assert_same_model(_engine(cls, stage), _reference(cls))
+    assert_same_model(client_engine(cls, stage), client_reference(cls))
 
 
 def test_the_client_optimizer_keeps_its_settings_and_splits_expert_groups():
     model = Net()
-    optimizer = torch.optim.AdamW(_groups(model), lr=LR, betas=(0.8, 0.9), weight_decay=0.3)
+    optimizer = torch.optim.AdamW(two_groups(model), lr=LR, betas=(0.8, 0.9), weight_decay=0.3)
     engine, *_ = initialize(model=model, optimizer=optimizer, config=config(2, clip=0.0, optimizer=None))
     groups = optimizer.param_groups
     assert [g["lr"] for g in groups if not g["moe"]] == [LR, LR / 2]  # dense: the two user groups
@@ -86,14 +58,14 @@ def test_an_adamw_whose_defaults_its_constructor_does_not_take_is_used_as_it_is(
 
 def test_state_taken_before_the_engine_is_kept():
     """One step without the engine, then one with it: equal to two steps without it."""
-    reference = _reference(torch.optim.Adam, steps=2)
+    reference = client_reference(torch.optim.Adam, steps=2)
     model = Net()
-    optimizer = torch.optim.Adam(_groups(model), lr=LR)
+    optimizer = torch.optim.Adam(two_groups(model), lr=LR)
     reference_steps(model, optimizer, 1, 1, 2, 0.0)
     engine, *_ = initialize(model=model, optimizer=optimizer, config=config(2, clip=0.0, optimizer=None))
     assert all(int(state["step"]) == 1 for state in optimizer.state.values())
     engine_steps(engine, 1, 0, 2, first_step=1)
-    _assert_same_model(engine, reference)
+    assert_same_model(engine, reference)
 
 
 def test_a_lambda_schedule_built_before_initialize_follows_the_split_groups():
@@ -113,7 +85,7 @@ def test_a_lambda_schedule_built_before_initialize_follows_the_split_groups():
     assert len(optimizer.param_groups) == 2 and len(scheduler.base_lrs) == len(scheduler.lr_lambdas) == 2
     engine_steps(engine, 2, 0, 2)
     assert engine.get_lr() == pytest.approx([LR / 3, LR / 3])
-    _assert_same_model(engine, model)
+    assert_same_model(engine, model)
 
 
 def test_a_schedule_built_on_the_optimizer_but_not_passed_is_warned_of():
@@ -185,16 +157,16 @@ def test_stepping_the_returned_optimizer_outside_the_engine_fails():
 def test_adagrad_state_made_in_its_constructor_is_laid_out_like_the_shards():
     # Adagrad fills its accumulators in __init__, so even a fresh one holds state
     model = Net()
-    optimizer = torch.optim.Adagrad(_groups(model), lr=LR, initial_accumulator_value=0.5)
+    optimizer = torch.optim.Adagrad(two_groups(model), lr=LR, initial_accumulator_value=0.5)
     engine, *_ = initialize(model=model, optimizer=optimizer, config=config(1, optimizer=None))
     for unit in engine.units:
         assert torch.equal(optimizer.state[unit.proxy]["sum"], torch.full_like(unit.weights, 0.5))
 
 
 def test_a_scheduler_built_on_the_client_optimizer_before_initialize_drives_the_engine():
-    reference = _reference(torch.optim.SGD, momentum=0.9)
+    reference = client_reference(torch.optim.SGD, momentum=0.9)
     model = Net()
-    optimizer = torch.optim.SGD(_groups(model), lr=LR, momentum=0.9)
+    optimizer = torch.optim.SGD(two_groups(model), lr=LR, momentum=0.9)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
     engine, _, _, returned = initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
                                         config=config(2, clip=0.0, optimizer=None))
@@ -202,13 +174,13 @@ def test_a_scheduler_built_on_the_client_optimizer_before_initialize_drives_the_
     engine_steps(engine, 1, 0, 2)
     assert engine.get_lr() == [LR / 2, LR / 2, LR / 4]
     model = Net()  # the reference with the same schedule
-    reference_optimizer = torch.optim.SGD(_groups(model), lr=LR, momentum=0.9)
+    reference_optimizer = torch.optim.SGD(two_groups(model), lr=LR, momentum=0.9)
     reference_scheduler = torch.optim.lr_scheduler.StepLR(reference_optimizer, step_size=1, gamma=0.5)
     for step in range(2):
         reference_steps(model, reference_optimizer, 1, 1, 2, 0.0, first_step=step)
         reference_scheduler.step()
     engine_steps(engine, 1, 0, 2, first_step=1)
-    _assert_same_model(engine, model)
+    assert_same_model(engine, model)
     del reference
 
 
@@ -231,8 +203,8 @@ class SignSGD(torch.optim.Optimizer):
 def test_a_custom_optimizer_subclass(stage):
     with pytest.warns(UserWarning, match=r"optimizer SignSGD is not a torch.optim class: .* its update must be "
                                          r"elementwise .* set zero_allow_untested_optimizer: true"):
-        engine = _engine(SignSGD, stage)
-    _assert_same_model(engine, _reference(SignSGD))
+        engine = client_engine(SignSGD, stage)
+    assert_same_model(engine, client_reference(SignSGD))
 
 
 def test_zero_allow_untested_optimizer_takes_a_custom_optimizer_without_a_warning(recwarn):
@@ -261,45 +233,6 @@ def test_optimizers_that_cannot_step_on_the_engines_shards_are_refused_by_name(n
         initialize(model=model, optimizer=optimizer, config=config(0, optimizer=None))
 
 
-class Matrices(nn.Module):
-    """Only 2-D parameters, for Muon."""
-
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.layers = nn.Sequential(nn.Linear(8, 16, bias=False), nn.ReLU(), nn.Linear(16, 5, bias=False))
-
-    def forward(self, x):
-        return self.layers(x), torch.zeros(())
-
-
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_muon_steps_each_matrix_whole(stage):
-    reference = Matrices()
-    reference_steps(reference, torch.optim.Muon(reference.parameters(), lr=LR), 2, 1, 2, 0.0)
-    model = Matrices()
-    engine, optimizer, _, _ = initialize(model=model, optimizer=torch.optim.Muon(model.parameters(), lr=LR),
-                                         config=config(stage, clip=0.0, optimizer=None))
-    assert optimizer.views is not None
-    engine_steps(engine, 2, 0, 2)
-    _assert_same_model(engine, reference)
-
-
-def test_adafactor_state_survives_a_checkpoint(tmp_path):
-    straight = _engine(torch.optim.Adafactor, 0, steps=3)
-    first = _engine(torch.optim.Adafactor, 0, steps=2)
-    first.save_checkpoint(str(tmp_path), tag="two")
-    model = Net()
-    engine, *_ = initialize(model=model, optimizer=torch.optim.Adafactor(_groups(model), lr=LR),
-                            config=config(0, clip=0.0, optimizer=None))
-    engine.load_checkpoint(str(tmp_path), tag="two")
-    assert {name for state in engine.optimizer.optimizer.state.values() for name in state} >= {"row_var", "col_var"}
-    engine_steps(engine, 1, 0, 2, first_step=2)
-    got = dict(engine.module.named_parameters())
-    for name, expected in straight.module.named_parameters():
-        torch.testing.assert_close(got[name].detach(), expected.detach(), rtol=0, atol=0, msg=name)
-
-
 def test_the_wrapper_answers_what_scripts_read_of_deepspeeds():
     model = Net()
     engine, wrapper, _, _ = initialize(model=model, config=config(0, fp16={"enabled": True, "initial_scale_power": 8}))
@@ -319,13 +252,13 @@ def _distributed_client(rank, world, stage, name, ep_size):
     reset_groups()
     cls = getattr(torch.optim, name)
     model = Net(ep_size=ep_size)
-    optimizer = cls(_groups(model), lr=LR)
+    optimizer = cls(two_groups(model), lr=LR)
     engine, *_ = initialize(model=model, optimizer=optimizer, config=config(stage, clip=0.0, optimizer=None))
     engine_steps(engine, 2, rank, 2)
     state = engine.consolidated_state_dict()
     if rank == 0:
         model = Net()
-        reference = cls(_groups(model), lr=LR)
+        reference = cls(two_groups(model), lr=LR)
         reference_steps(model, reference, 2, world, 2, 0.0)
         for key, expected in model.state_dict().items():
             torch.testing.assert_close(state[key], expected, rtol=RTOL, atol=ATOL, msg=key)
@@ -348,12 +281,12 @@ def _pre_stepped(rank, world, stage):
     """The user's Adam after one step (the reference's, cut to this rank's experts), then one engine step."""
     reset_groups()
     reference = Net()
-    reference_optimizer = torch.optim.Adam(_groups(reference), lr=LR)
+    reference_optimizer = torch.optim.Adam(two_groups(reference), lr=LR)
     reference_steps(reference, reference_optimizer, 1, world, 2, 0.0)
     after_one = {n: p.detach().clone() for n, p in reference.named_parameters()}
     states = {n: reference_optimizer.state[p] for n, p in reference.named_parameters()}
     model = Net(ep_size=2)
-    optimizer = torch.optim.Adam(_groups(model), lr=LR)
+    optimizer = torch.optim.Adam(two_groups(model), lr=LR)
     with torch.no_grad():
         for n, p in model.named_parameters():
             p.copy_(_local(after_one[n], n, rank))
@@ -370,17 +303,3 @@ def _pre_stepped(rank, world, stage):
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_state_held_before_initialize_is_sharded_on_two_ranks(stage):
     run_distributed(_pre_stepped, 2, stage, timeout_s=180)
-
-
-def _shaped_refused(rank, world, stage):
-    reset_groups()
-    model = Net()
-    optimizer = torch.optim.Adafactor(model.parameters(), lr=LR)
-    with pytest.raises(ValueError, match=rf"optimizer Adafactor reads each parameter's shape, but ZeRO stage {stage} "
-                                         r"cuts parameters across ranks here; use stage 0"):
-        initialize(model=model, optimizer=optimizer, config=config(stage, clip=0.0, optimizer=None))
-
-
-@pytest.mark.parametrize("stage", [1, 3])
-def test_a_shape_reading_optimizer_is_refused_where_ranks_hold_slices(stage):
-    run_distributed(_shaped_refused, 2, stage, timeout_s=120)
