@@ -1,7 +1,9 @@
 """The MoE layer: DeepSpeed's contract, equality of the expert layouts, gradients, modes and errors.
 
 Every fast path is compared with a plain per-token reference: out[s] = sum_j weight[s, j] *
-expert_{e(s, j)}(x[s]) over kept choices. Tolerances: fp32 1e-5 relative (1e-6 absolute).
+expert_{e(s, j)}(x[s]) over kept choices. Tolerances: fp32 1e-5 relative (1e-6 absolute). The experts'
+stacked and module forms are compared in test_experts.py, the optimizer groups of the layer's
+parameters in tests/parallel/test_param_groups.py.
 """
 
 import copy

@@ -57,10 +57,12 @@ def reference_output(x_SM, routing, experts: Experts) -> torch.Tensor:
 
 
 def run(dispatcher: Dispatcher, x_SM, routing, experts: Experts) -> torch.Tensor:
+    """Dispatch, the experts, combine: what the layer does with a plan."""
     dispatched = dispatcher.dispatch(x_SM, routing)
     y_NM = experts(dispatched.rows_NM, dispatched.counts, grouped_gemm=dispatcher.grouped_gemm)
     return dispatcher.combine(y_NM, dispatched)
 
 
 def grads(out_SM, grad_SM, tensors):
+    """The gradients of `tensors` for the output gradient grad_SM."""
     return torch.autograd.grad((out_SM * grad_SM).sum(), tensors)

@@ -5,6 +5,7 @@ import torch
 
 
 def normalized(logits, scoring):
+    """Scores over experts per token, divided by their sum (softmax as it is, sigmoid normalised)."""
     s = torch.softmax(logits, 1) if scoring == "softmax" else torch.sigmoid(logits)
     return s / s.sum(1, keepdim=True)
 
@@ -17,6 +18,7 @@ def reference_switch_loss(logits, counts, scoring):
 
 
 def weights_by_expert(plan, S, E):
+    """The plan's kept weights as an [S, E] tensor: token s's weight for expert e, 0 where not chosen."""
     dense = torch.zeros(S, E, dtype=plan.weight_SK.dtype)
     kept = plan.expert_idx_SK >= 0
     rows = torch.arange(S).unsqueeze(1).expand_as(plan.expert_idx_SK)[kept]
