@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from kernels import buffer_rows, permute, unpermute_combine, workspace
+from kernels import buffer_rows, cpu, permute, unpermute_combine
 from kernels.grouped_gemm import torch_backend_runs
 from kernels.rows import source_tokens
 from moe import expert_parallel
@@ -85,7 +85,7 @@ class MOELayer(nn.Module):
         self.expert_layout = expert_layout
         self.ep_group = ep_group
         self.l_aux = self.exp_counts = self.z_loss = self.routing = None
-        workspace.keep_freed_memory()  # before a compiled model's first step (see kernels.workspace)
+        cpu.keep_freed_memory()  # before a compiled model's first step (see kernels.cpu.workspace)
 
     def _layout(self, device: torch.device, dtype: torch.dtype) -> str:
         """The expert layout for a forward on `device` with inputs of `dtype`: "auto" resolves by device,

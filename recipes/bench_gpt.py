@@ -49,7 +49,7 @@ try:
 except ImportError:  # not on POSIX systems: no page-fault counts
     resource = None
 
-from kernels import gemm
+from kernels.cpu import gemm
 from moe import MoE, split_params_into_different_moe_groups_for_optimizer
 from optim import initialize
 from recipes import gpt

@@ -26,7 +26,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from kernels import gemm, grouped_mm, grouped_mm_t, threads
+from kernels import grouped_mm, grouped_mm_t
+from kernels.cpu import gemm, threads
 from moe import MoE
 from moe.layer import EXPERT_LAYOUTS
 from optim.memory import LiveBytes

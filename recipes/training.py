@@ -12,7 +12,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from kernels import gemm
+from kernels.cpu import gemm
 
 
 class SetupError(Exception):

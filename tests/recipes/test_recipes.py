@@ -14,7 +14,7 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from kernels import gemm
+from kernels.cpu import gemm
 from moe import MoE, TopKGate
 from recipes import bench_gpt, cifar, compare_dense_moe, gpt, runner
 from recipes.cli import engine_config, saved_recipe
