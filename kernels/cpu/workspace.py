@@ -63,9 +63,9 @@ def _address(function) -> int:
 
 def _tune_jemalloc(mallctl) -> bool:
     """Turn jemalloc's decay off in every arena, unless MALLOC_CONF names one; whether dirty pages stay."""
-    # Its default decay gives freed pages back over ten seconds and faults them in again: in the GPT
-    # recipe's MoE model 32,000 page faults a step, against 6-15 with the decay off (docs/benchmarks.md,
-    # the twelfth session). Only the environment variable is read, not /etc/malloc.conf.
+    # Its default decay gives freed pages back over ten seconds and faults them in again, tens of
+    # thousands of pages a step in the GPT recipe's MoE model (docs/benchmarks.md). Only the environment
+    # variable is read, not /etc/malloc.conf.
     mallctl.argtypes = [ctypes.c_char_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
     mallctl.restype = ctypes.c_int
     if "decay" not in os.environ.get("MALLOC_CONF", ""):
@@ -93,9 +93,8 @@ def keep_freed_memory() -> bool:
     unless MOE_CPU_WORKSPACE=0; whether it did.
 
     The pool does this on its first use, which a compiled model never makes: its buffers are
-    Inductor's, allocated by torch from glibc. The GPT recipe's MoE model compiled on a 2-core AMD
-    EPYC page-faulted about 3,000 times per step (12 MiB of fresh pages) with glibc untuned, none
-    tuned, so MoE layers call this when they are built.
+    Inductor's, allocated by torch from glibc, which untuned faults thousands of fresh pages in every
+    step; so MoE layers call this when they are built.
     """
     return _enabled() and _tune_malloc()
 
