@@ -17,7 +17,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from kernels import workspace
+from kernels import cpu
 from kernels.backend import block_size, cpu_eager, launcher, use_triton
 
 
@@ -173,20 +173,20 @@ def gather_rows(x_SM: torch.Tensor, token_N: torch.Tensor, scale_N: torch.Tensor
     if use_triton(x_SM):
         return gather_rows_triton(x_SM, token_N, scale_N)
     if x_SM.shape[0] == 0:
-        return workspace.empty((token_N.shape[0], x_SM.shape[1]), x_SM.dtype, x_SM.device).zero_()
+        return cpu.empty((token_N.shape[0], x_SM.shape[1]), x_SM.dtype, x_SM.device).zero_()
     # eager on the CPU a host read costs nothing: when every row has a token (the packed layout's rows
     # always do), the gather needs no clamped index and leaves no empty rows to zero
     full = cpu_eager(token_N) and (token_N.numel() == 0 or int(token_N.min()) >= 0)
     num_rows, width = token_N.shape[0], x_SM.shape[1]
     if (full and scale_N is not None and x_SM.dtype == accumulation_dtype(x_SM.dtype) and num_rows and width
-            and workspace.allocator_reuses(num_rows * width * x_SM.element_size())):
+            and cpu.allocator_reuses(num_rows * width * x_SM.element_size())):
         # scaled (fp32, float64): bags of one row with per-sample weights, one pass over the rows where a
         # gather and a scaling pass took two (the combine's backward in the GPT recipe's MoE layer,
         # [8192, 128] from [4096, 128]: 0.56 against 0.87 ms in the layer, 2-core AMD EPYC with AVX2);
         # the same products, a negative zero aside (a bag's sum starts from +0). The bag allocates its
         # own output: only where the allocator reuses memory (larger ones stay in the workspace)
         return F.embedding_bag(token_N, x_SM, _range(num_rows), per_sample_weights=scale_N.to(x_SM.dtype), mode="sum")
-    out = workspace.empty((num_rows, width), x_SM.dtype, x_SM.device)
+    out = cpu.empty((num_rows, width), x_SM.dtype, x_SM.device)
     buffer_NM = torch.index_select(x_SM, 0, token_N if full else token_N.clamp(min=0), out=out)
     if scale_N is not None:
         buffer_NM.mul_(scale_N.to(buffer_NM.dtype).unsqueeze(1))
@@ -230,7 +230,7 @@ def combine_rows(buffer_NM: torch.Tensor, row_SK: torch.Tensor, weight_SK: torch
     # half precision (or off the CPU): fp32 sums over chunks of tokens, so on the CPU each widened copy of
     # gathered rows stays small (mixed-dtype ops would widen an operand into a fresh [S, M] temporary,
     # page-faulted in every step)
-    out_SM = workspace.empty((S, buffer_NM.shape[1]), buffer_NM.dtype, buffer_NM.device)
+    out_SM = cpu.empty((S, buffer_NM.shape[1]), buffer_NM.dtype, buffer_NM.device)
     for part in _row_chunks(buffer_NM, S):
         rows_CK, w_CK = rows_SK[part], w_SK[part]
         acc_CM = buffer_NM.index_select(0, rows_CK[:, 0]).to(acc_dtype).mul_(w_CK[:, :1])
@@ -263,7 +263,7 @@ def row_dots(grad_SM: torch.Tensor, buffer_NM: torch.Tensor, row_SK: torch.Tenso
         g_NM = gather_rows(grad_SM, source_tokens(row_SK, num_rows), None)
     # products into the workspace, then a sum along rows: faster than a batched [1, M] x [M, 1] product
     # (0.18 against 0.38 ms at N = 8192, M = 128; 5.3 against 7.4 ms at N = 20480, M = 512, 2-core AMD EPYC)
-    products_NM = workspace.empty(g_NM.shape, acc_dtype, g_NM.device)
+    products_NM = cpu.empty(g_NM.shape, acc_dtype, g_NM.device)
     if g_NM.dtype == acc_dtype:
         torch.mul(g_NM, buffer_NM, out=products_NM)
     else:  # widened a chunk of rows at a time: a whole fp32 copy of [N, M] would be fresh memory every step

@@ -6,7 +6,7 @@ L local experts.
 Three implementations, equal up to the order of fp32 sums:
 - per expert: one autograd function runs each expert's products on its rows, so empty capacity
   slots cost nothing; large temporaries (activations, their gradients) live in the CPU workspace and
-  the products write into them (`kernels.gemm` picks each product's CPU backend by measurement);
+  the products write into them (`kernels.cpu` picks each product's CPU backend by measurement);
   only the pre-activation is kept besides where the backward needs it (GELU, SiLU). The forward's
   activation runs once over every row, between the loops of products. The backward makes the hidden
   gradient of all N rows (grad_y W2 per expert, then one activation backward over every row) where
@@ -16,17 +16,12 @@ Three implementations, equal up to the order of fp32 sums:
   never holds the hidden gradient of all N rows (128 MiB at N = 16384, H = 2048 in fp32).
 - grouped: one grouped GEMM per layer for all experts (`kernels.grouped_gemm`).
 - concurrent (CPU): the per-expert work with experts side by side on single-threaded workers
-  (`kernels.threads`), each product through the backend measured for its shape class on one thread
-  (`kernels.gemm`). On a 2-core AMD EPYC with AVX2, forward+backward of the MLP alone
-  (BLAS products) at 64 experts of [~256, 512] x [512, 2048] took 1770 ms against the per-expert
-  plan's 1919, at 16 experts of [~1024, 512] x [512, 2048] 1427 against 1527 ms (medians of
-  alternating runs); on a 2-core AMD EPYC with AVX-512 one-thread oneDNN products made the layer 2.2%
-  faster than one-thread BLAS at 16 experts. Where the workers are torch's own OpenMP team (Linux),
-  offered for every layer whose plan is timed: the GPT recipe's 8 experts of [~1024, 128] x [128, 256]
-  took 24.0-24.2 ms forward+backward against 26.0-26.6 per expert (AVX-512 EPYC); on a pool of
-  threads only for large layers (see CONCURRENT_FROM).
+  (`kernels.cpu.run_each`), each product through the backend measured for its shape class on one
+  thread. Several products each on one core can beat each product on every core, and do by far when
+  other processes share the cores. Where the workers are torch's own OpenMP team (Linux), offered for
+  every layer whose plan is timed; on a pool of threads only for large layers (see CONCURRENT_FROM).
 On the CPU with `use_grouped_gemm=None` the candidates are timed on the first batch of each shape
-class and the fastest is kept (see `kernels.gemm`). The backward is first-order only, and computes
+class and the fastest is kept (see `kernels.cpu`). The backward is first-order only, and computes
 only the gradients autograd asks for (`ctx.needs_input_grad`): rows that need no gradient (a model's
 first layer) save the input-gradient product per expert, frozen weights their products and sums, as
 autograd saves them for nn.Linear.
@@ -39,26 +34,23 @@ import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensor
 
-from kernels import gemm, threads, workspace
-from kernels import grouped_mm, grouped_mm_t, grouped_sum
+from kernels import cpu, grouped_mm, grouped_mm_t, grouped_sum
 from kernels.grouped_gemm import group_offsets, runs_natively
 
 __all__ = ["ACTIVATIONS", "grouped_mlp"]
 
 ACTIVATIONS = ("relu", "gelu", "silu", "tanh", "sigmoid")
 # multiply-adds of the first product from which the concurrent plan is a candidate when its workers
-# are a pool of threads (kernels.threads): while they run, the caller's idle OpenMP threads spin for a
-# while (libgomp's default wait policy), which costs a few ms per layer call; at the GPT recipe's 8
-# experts of [~1024, 128] x [128, 256] (2^28) the plan measured faster alone but made the training step
-# 4% slower, at 64 experts of [~256, 512] x [512, 2048] (2^34) it made the layer 6% faster. On torch's
-# own OpenMP team nothing spins beside the workers: the plan is a candidate for every measured layer.
+# are a pool of threads (kernels.cpu.threads): while they run, the caller's idle OpenMP threads spin
+# for a while (libgomp's default wait policy), which the plan's timing alone does not see, and a small
+# layer's training step pays more for it than the plan saves; a large layer's products outweigh it. On
+# torch's own OpenMP team nothing spins beside the workers: the plan is a candidate for every measured layer.
 CONCURRENT_FROM = 1 << 32
 # the per-expert backward makes all experts' hidden gradients in one [N, H] buffer, then runs the
 # activation's backward once over every row, when that buffer takes at most this many bytes; beyond,
 # expert by expert in a buffer of the largest expert's rows (the memory the docstring's note is about).
-# Per expert, oneDNN's GELU backward meets a new row count each call and builds its primitive anew:
-# at the GPT recipe's 8 experts of [~1040, 256] 0.70 against 0.53 ms a call with the row count
-# varying or fixed (2-core AMD EPYC, AVX2), about 1 ms per layer and step above one call over all rows.
+# Per expert, oneDNN's GELU backward meets a new row count each call and builds its primitive anew,
+# which one call over all rows avoids.
 WHOLE_HIDDEN_BYTES = 32 << 20
 
 
@@ -108,7 +100,7 @@ def _nonempty(counts: list[int]) -> list[int]:
 
 def _grad_like(param: torch.Tensor, counts: list[int]) -> torch.Tensor:
     """Uninitialised gradient for a stacked parameter, zeroed only for experts that got no rows."""
-    grad = workspace.empty_like(param)
+    grad = cpu.empty_like(param)
     for e, count in enumerate(counts):
         if not count:
             grad[e].zero_()
@@ -124,9 +116,9 @@ def _forward_buffers(x_NM, weight1, weight2, name: str) -> tuple:
     """The forward's workspace buffers h_NH (pre-activation), a_NH (activation) and y_NM; h_NH is a_NH
     itself (activated in place) when the activation's backward needs only its output."""
     N, H, M_out = x_NM.shape[0], weight1.shape[1], weight2.shape[1]
-    a_NH = workspace.empty((N, H), x_NM.dtype, x_NM.device)
-    h_NH = workspace.empty((N, H), x_NM.dtype, x_NM.device) if name in _NEEDS_INPUT else a_NH
-    return h_NH, a_NH, workspace.empty((N, M_out), x_NM.dtype, x_NM.device)
+    a_NH = cpu.empty((N, H), x_NM.dtype, x_NM.device)
+    h_NH = cpu.empty((N, H), x_NM.dtype, x_NM.device) if name in _NEEDS_INPUT else a_NH
+    return h_NH, a_NH, cpu.empty((N, M_out), x_NM.dtype, x_NM.device)
 
 
 def _save(ctx, x_NM, weight1, weight2, h_NH, a_NH, counts, activation) -> None:
@@ -148,7 +140,7 @@ def _backward_buffers(ctx, grad_y_NM) -> SimpleNamespace:
     none = (None,) * len(counts)
     b = SimpleNamespace(x_NM=x_NM, weight1=weight1, weight2=weight2, a_NH=a_NH, h_NH=kept[0] if kept else None,
                         grad_y_NM=grad_y_NM.contiguous(), needs_h=needs_x or needs_w1 or needs_b1)
-    b.grad_x_NM = workspace.empty_like(x_NM) if needs_x else None
+    b.grad_x_NM = cpu.empty_like(x_NM) if needs_x else None
     b.grad_w1 = _grad_like(weight1, counts) if needs_w1 else None
     b.grad_w2 = _grad_like(weight2, counts) if needs_w2 else None
     b.grad_b1 = _grad_like(weight1.new_empty(weight1.shape[:2]), counts) if needs_b1 else None
@@ -174,7 +166,7 @@ def _whole_hidden_gradient(ctx, b: SimpleNamespace, w2_t) -> tuple | None:
     N, H = b.a_NH.shape
     if N * H * b.a_NH.element_size() > WHOLE_HIDDEN_BYTES:
         return None
-    grad_h_NH = workspace.empty((N, H), b.a_NH.dtype, b.a_NH.device)
+    grad_h_NH = cpu.empty((N, H), b.a_NH.dtype, b.a_NH.device)
     grad_h_e = grad_h_NH.split_with_sizes(ctx.counts)
     for e in _nonempty(ctx.counts):
         b.product_h(b.grad_y_e[e], w2_t[e], None, grad_h_e[e])
@@ -217,15 +209,15 @@ def _expert_backward(ctx, b: SimpleNamespace, slots: int):
     w1_t, w2_t = b.weight1.transpose(1, 2).unbind(0), b.weight2.transpose(1, 2).unbind(0)
     experts = _nonempty(ctx.counts)
     # one thread: each product's backend resolved once per rows class; workers resolve per product,
-    # each in its own thread's classes (kernels.gemm)
+    # each in its own thread's classes (kernels.cpu.gemm)
     one = slots == 1
-    b.product_h, b.product_x = (gemm.by_rows_class("linear") if one else gemm.linear for _ in range(2))
-    b.product_w2, b.product_w1 = (gemm.by_rows_class("linear_tn") if one else gemm.linear_tn for _ in range(2))
+    b.product_h, b.product_x = (cpu.by_rows_class("linear") if one else cpu.linear for _ in range(2))
+    b.product_w2, b.product_w1 = (cpu.by_rows_class("linear_tn") if one else cpu.linear_tn for _ in range(2))
     buffers = queue.SimpleQueue()
     grad_h_e = _whole_hidden_gradient(ctx, b, w2_t) if one and b.needs_h else None
     if b.needs_h and grad_h_e is None:
         for _ in range(min(slots, len(experts))):
-            buffers.put(workspace.empty((max(ctx.counts), b.a_NH.shape[1]), b.a_NH.dtype, b.a_NH.device))
+            buffers.put(cpu.empty((max(ctx.counts), b.a_NH.shape[1]), b.a_NH.dtype, b.a_NH.device))
 
     def expert(e: int, parts: tuple = _ALL_PARTS) -> None:
         if not b.needs_h or grad_h_e is not None or "h" not in parts:
@@ -250,7 +242,7 @@ class _PerExpertMLP(torch.autograd.Function):
         w1, w2, b1, b2 = (_per_expert(p, weight1.shape[0]) for p in (weight1, weight2, bias1, bias2))
         x_e, h_e, a_e, y_e = (t.split_with_sizes(counts) for t in (x_NM, h_NH, a_NH, y_NM))
         experts = _nonempty(counts)
-        first, second = (gemm.by_rows_class("linear") for _ in range(2))
+        first, second = (cpu.by_rows_class("linear") for _ in range(2))
         for e in experts:
             first(x_e[e], w1[e], b1[e], h_e[e])
         _activate(name, approximate, h_NH, a_NH)  # one call for every row: faster than one per expert
@@ -273,7 +265,7 @@ class _PerExpertMLP(torch.autograd.Function):
 
 
 class _ConcurrentMLP(torch.autograd.Function):
-    """The per-expert MLP with experts run side by side on single-threaded CPU workers (kernels.threads).
+    """The per-expert MLP with experts run side by side on single-threaded CPU workers (kernels.cpu.run_each).
 
     Forward, an expert's rows are one work item (products and activation), the largest experts first;
     where more experts have rows than there are workers, the `workers` smallest are cut into two
@@ -297,11 +289,11 @@ class _ConcurrentMLP(torch.autograd.Function):
         def rows(item):
             e, start, length = item
             x, h, a, y = (t[e] if length == counts[e] else t[e].narrow(0, start, length) for t in (x_e, h_e, a_e, y_e))
-            gemm.linear(x, w1[e], b1[e], h)
+            cpu.linear(x, w1[e], b1[e], h)
             _activate(name, approximate, h, a)
-            gemm.linear(a, w2[e], b2[e], y)
+            cpu.linear(a, w2[e], b2[e], y)
 
-        threads.run_each(rows, _forward_items(counts, threads.workers()))
+        cpu.run_each(rows, _forward_items(counts, cpu.workers()))
         _save(ctx, x_NM, weight1, weight2, h_NH, a_NH, counts, activation)
         return y_NM
 
@@ -311,14 +303,14 @@ class _ConcurrentMLP(torch.autograd.Function):
         # each expert's two parts are items of their own: first every expert's hidden-gradient part
         # (three products), then the W2 parts (one product each), so the workers finish on short items
         b = _backward_buffers(ctx, grad_y_NM)
-        expert = _expert_backward(ctx, b, threads.workers())
+        expert = _expert_backward(ctx, b, cpu.workers())
         order = _largest_first(ctx.counts)
         if len(order) == 1:  # a lone expert: one item, run in the caller with its threads
             items = [(order[0], _ALL_PARTS)]
         else:
             items = [(e, ("h",)) for e in order] if b.needs_h else []
             items += [(e, ("w2",)) for e in order] if b.grad_w2 is not None or b.grad_b2 is not None else []
-        threads.run_each(lambda item: expert(*item), items)
+        cpu.run_each(lambda item: expert(*item), items)
         return _gradients(b)
 
 
@@ -449,7 +441,7 @@ _PLANS = {"per_expert": _PerExpertMLP, "grouped": _GroupedGemmMLP, "concurrent":
 
 def _measured_plan(x_NM, weight1, bias1, weight2, bias2, counts: list[int], activation: tuple) -> str:
     """The plan that ran this forward+backward fastest, each candidate run on the actual operands, timed
-    once per shape class on the CPU (kernels.gemm); per expert elsewhere and for small layers.
+    once per shape class on the CPU (kernels.cpu); per expert elsewhere and for small layers.
 
     Candidates: per expert; the grouped GEMM where torch runs it natively; experts side by side on
     single-threaded workers where torch has more than one thread, on its OpenMP team, or on a pool of
@@ -459,12 +451,11 @@ def _measured_plan(x_NM, weight1, bias1, weight2, bias2, counts: list[int], acti
     L, H, M = weight1.shape
     if x_NM.device.type != "cpu" or isinstance(x_NM, FakeTensor):
         return "per_expert"
-    # half precision without native products (gemm.widened_only): its products are not timed, the plans
-    # are, all but the grouped GEMM, which would multiply in the half dtype itself (153 s a call against
-    # 2.9 s for the others, bf16 at the README's layer on a 2-core AMD EPYC with AVX2)
-    widened = gemm.widened_only(x_NM.dtype)
-    if (not (gemm.measuring(x_NM.dtype) or widened)
-            or not gemm.worth_measuring(x_NM.shape[0] * (M * H + H * weight2.shape[1]))):
+    # half precision without native products (cpu.widened_only): its products are not timed, the plans
+    # are, all but the grouped GEMM, which would multiply in the half dtype itself, far slower than the others
+    widened = cpu.widened_only(x_NM.dtype)
+    if (not (cpu.measuring(x_NM.dtype) or widened)
+            or not cpu.worth_measuring(x_NM.shape[0] * (M * H + H * weight2.shape[1]))):
         return "per_expert"
     operands = [t for t in (x_NM, weight1, bias1, weight2, bias2) if t is not None]
     # the gradients a training step asks for decide the backward's work (no input gradient: one
@@ -474,15 +465,15 @@ def _measured_plan(x_NM, weight1, bias1, weight2, bias2, counts: list[int], acti
     needs = [t.requires_grad for t in operands]
     needs = needs if any(needs) else [True] * len(operands)
     kind = "mlp" if all(needs) else "mlp@grads=" + "".join("01"[need] for need in needs)
-    key = gemm.shape_key(kind, x_NM.shape[0], (L, M, H, weight2.shape[1]), x_NM.dtype, bias1)
+    key = cpu.shape_key(kind, x_NM.shape[0], (L, M, H, weight2.shape[1]), x_NM.dtype, bias1)
     native = runs_natively(x_NM, weight1) and not widened
-    kept = gemm.kept(key)
+    kept = cpu.backend.kept(key)
     if kept in _PLANS and (kept != "grouped" or native):  # kept: it stands (concurrent runs on any thread count)
         return kept
     # the candidates depend on the shape class only (its rows, not this batch's), so every batch of a
     # class is offered the same plans and a choice once made is never measured again
     candidates = ["per_expert"] + ["grouped"] * native
-    if threads.workers() > 1 and (threads.openmp_team() or gemm.class_rows(x_NM.shape[0]) * M * H >= CONCURRENT_FROM):
+    if cpu.workers() > 1 and (cpu.openmp_team() or cpu.class_rows(x_NM.shape[0]) * M * H >= CONCURRENT_FROM):
         candidates.append("concurrent")
     if len(candidates) == 1 or torch.is_inference_mode_enabled():  # inference: no backward can run to be timed
         return "per_expert"
@@ -498,4 +489,4 @@ def _measured_plan(x_NM, weight1, bias1, weight2, bias2, counts: list[int], acti
                 torch.autograd.grad(y_NM, inputs, y_NM.detach())
         return run
 
-    return gemm.choose(key, {name: forward_backward(_PLANS[name]) for name in candidates})
+    return cpu.backend.choose(key, {name: forward_backward(_PLANS[name]) for name in candidates})

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from kernels import workspace
+from kernels import cpu
 from kernels.grouped_gemm import torch_backend_runs
 from moe.autocast import autocast_dtype
 from moe.dispatch import Dispatcher, make_dispatcher
@@ -50,7 +50,7 @@ class MOELayer(nn.Module):
         expert_layout: "packed" (rows sorted by expert, no padding, products per expert), "grouped"
             (the same rows, one grouped GEMM per layer), "padded" (the capacity
             buffer, batched products, no host sync) or "auto": on the CPU packed rows, where empty slots
-            would cost product time, with per-expert or grouped products as measured (kernels.gemm);
+            would cost product time, with per-expert or grouped products as measured (kernels.cpu.gemm);
             elsewhere grouped when dropless, and when dropping grouped too in bf16 where torch's own
             grouped GEMM runs for one process's stacked experts (no host sync either, and no empty
             slots multiplied), else padded.
@@ -80,7 +80,7 @@ class MOELayer(nn.Module):
         self.expert_layout = expert_layout
         self.ep_group = ep_group
         self.l_aux = self.exp_counts = self.z_loss = self.routing = None
-        workspace.keep_freed_memory()  # before a compiled model's first step (see kernels.workspace)
+        cpu.keep_freed_memory()  # before a compiled model's first step (see kernels.cpu.workspace)
 
     @property
     def ep_group(self):

@@ -12,7 +12,8 @@ any checkpoint, and no rank gathers full parameters. Host memory beyond the mode
 hands DCP host boxes without copying them (a box that is not contiguous, or one on a GPU, is copied
 to the host, and DCP keeps each copy until its file is written); reading holds one stored piece at a
 time (a whole parameter where the writer held it whole: stage 0, one process, or the first format). Counters, scaler, scheduler, param-group settings, client
-state and every rank's RNG states go to `meta.pt`. Checkpoints written before the sharded layout
+state, every rank's RNG states and every rank's extra state (`register_extra_state`: the CPU products'
+measured choices, under "gemm") go to `meta.pt`. Checkpoints written before the sharded layout
 (one full chunk per entry) load the same way.
 
 Atomicity: everything is written into `.<tag>.partial` and synced to disk; rank 0 then records every
@@ -35,17 +36,38 @@ import zlib
 import torch
 import torch.distributed as dist
 
-from kernels import gemm
 from parallel import accelerator_name
 
-__all__ = ["CheckpointError", "check_load_options", "consolidated_state_dict", "load", "save", "save_state_dict",
-           "verify"]
+__all__ = ["CheckpointError", "check_load_options", "consolidated_state_dict", "load", "register_extra_state",
+           "save", "save_state_dict", "verify"]
 
 
 class CheckpointError(RuntimeError):
     """A checkpoint refused: incomplete, corrupt, of another format, or of another model (raised on every rank)."""
 
 _FORMAT = 1
+_EXTRA_STATE: dict[str, tuple] = {}  # name -> (get, put), in the order registered (register_extra_state)
+_META_ENTRIES = ("format", "global_steps", "micro_steps", "skipped_steps", "world_size", "stage", "scaler",
+                 "lr_scheduler", "param_groups", "client_state", "rng", "per_element_states", "expert_axes")
+
+
+def register_extra_state(name: str, get, put) -> None:
+    """Keep a piece of per-process state with every checkpoint, as `meta.pt`'s entry `name`.
+
+    Saving stores get() of every rank, a list by rank; loading calls put() with the entry of the rank
+    this one continues (its rank modulo the saving world size), and skips an entry the checkpoint does
+    not have or that is empty. The values must be what torch.load(weights_only=True) reads back.
+
+    Args:
+        name: the entry's key in `meta.pt`; registering a name again replaces its functions.
+        get: () -> this process's state. put: (a saved state) -> None.
+
+    Raises:
+        ValueError: `name` is one of the checkpoint's own entries.
+    """
+    if name in _META_ENTRIES:
+        raise ValueError(f"name must not be one of meta.pt's own entries {_META_ENTRIES}, got {name!r}")
+    _EXTRA_STATE[name] = (get, put)
 
 
 def _dcp():
@@ -194,6 +216,15 @@ def _global_view(engine, with_optimizer: bool = True) -> dict[str, torch.Tensor]
     return out
 
 
+def _by_rank(engine, value) -> list:
+    """`value` of every rank, a list by rank (collective under torch.distributed)."""
+    if not _distributed():
+        return [value]
+    values = [None] * engine.world_size
+    dist.all_gather_object(values, value)
+    return values
+
+
 def _rng_state() -> dict:
     state = {"cpu": torch.get_rng_state()}
     if accelerator_name() == "cuda":
@@ -257,12 +288,8 @@ def save(engine, save_dir: str, tag: str | None, client_state: dict, save_latest
     with _single_process_quiet():
         dcp.save(_boxes_to_write(engine), storage_writer=dcp.FileSystemWriter(partial),
                  planner=planners.BoxSavePlanner(), no_dist=not _distributed())
-    rng, products = [None] * engine.world_size, [None] * engine.world_size
-    if _distributed():
-        dist.all_gather_object(rng, _rng_state())
-        dist.all_gather_object(products, gemm.choices())
-    else:
-        rng, products = [_rng_state()], [gemm.choices()]
+    rng = _by_rank(engine, _rng_state())
+    extra = {name: _by_rank(engine, get()) for name, (get, _) in _EXTRA_STATE.items()}
     if engine.rank == 0:
         meta = {
             "format": _FORMAT, "global_steps": engine.global_steps, "micro_steps": engine.micro_steps,
@@ -270,7 +297,7 @@ def save(engine, save_dir: str, tag: str | None, client_state: dict, save_latest
             "scaler": engine.scaler.state_dict() if engine.scaler is not None else None,
             "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
             "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in engine.optimizer.param_groups],
-            "client_state": client_state, "rng": rng, "gemm": products,
+            "client_state": client_state, "rng": rng, **extra,
             # optimizer states kept per element (shaped like the parameters), told apart from counters
             "per_element_states": sorted({name for unit in engine.units
                                           for name, value in _sharded_states(engine, unit).items()
@@ -563,8 +590,10 @@ def load(engine, load_dir: str, tag: str | None, load_optimizer_states: bool = T
                     engine.optimizer.state[view] = state
         elif load_optimizer_states and states[index]:
             engine.optimizer.state[unit.proxy] = states[index]
-    if meta.get("gemm"):  # the products the saving rank had chosen: a resumed run multiplies as it did
-        gemm.adopt(meta["gemm"][engine.rank % len(meta["gemm"])])
+    # the saving rank's extra state, e.g. its product choices: a resumed run multiplies as the straight run did
+    for name, (_, put) in _EXTRA_STATE.items():
+        if meta.get(name):
+            put(meta[name][engine.rank % len(meta[name])])
     engine.zero_grad()
     if load_module_only:
         return path, meta["client_state"]

@@ -15,8 +15,8 @@ PACKAGES = ("moe", "kernels", "parallel", "optim")
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 # (file, function): why a CPU tensor is right there
 HOST_SIDE = {
-    ("kernels/gemm.py", "_onednn_op"): "a one-off probe of the CPU's oneDNN",
-    ("kernels/workspace.py", None): "the CPU pool; it serves CPU requests only",
+    ("kernels/cpu/gemm.py", "_onednn_op"): "a one-off probe of the CPU's oneDNN",
+    ("kernels/cpu/workspace.py", None): "the CPU pool; it serves CPU requests only",
     ("kernels/grouped_gemm.py", "_torch_grouped_mm_runs"): "a probe on the device it is asked about",
     ("optim/checkpoint.py", None): "checkpoints are written and read on the host",
     ("optim/schedulers.py", None): "learning rates are host floats",

@@ -10,7 +10,7 @@ Both models are built by `recipes.gpt` from the same flags (the dense twin with 
 active parameters per token) and trained through the same engine with the same batches, writing
 the same TensorBoard statistics as the recipe does (to a temporary folder). Steps
 alternate between the models, so drift in the machine's speed hits them alike; the first --warmup
-steps of each are not timed: the CPU products are measured and chosen there (see `kernels.gemm`),
+steps of each are not timed: the CPU products are measured and chosen there (see `kernels.cpu.gemm`),
 and the router settles. A fresh router drops about a tenth of the choices over capacity, so the MoE
 model's experts do less work than later in training; after about a hundred steps nearly every
 choice is kept, as for the rest of a run (--warmup 5 times the first steps instead).
@@ -49,7 +49,7 @@ try:
 except ImportError:  # not on POSIX systems: no page-fault counts
     resource = None
 
-from kernels import gemm
+from kernels.cpu import gemm
 from moe import MoE, split_params_into_different_moe_groups_for_optimizer
 from optim import initialize
 from recipes import gpt

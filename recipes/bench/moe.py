@@ -26,7 +26,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from kernels import gemm, grouped_mm, grouped_mm_t, threads
+from kernels import grouped_mm, grouped_mm_t
+from kernels.cpu import gemm, threads
 from moe import MoE
 from moe.layer import EXPERT_LAYOUTS
 from optim.memory import LiveBytes
@@ -85,7 +86,7 @@ def peak_memory(step, device) -> int:
     storages the step creates (`optim.memory.LiveBytes`), measured apart from the timed steps.
 
     Resident-memory growth cannot be used on the CPU: once the workspace has tuned glibc to keep freed
-    chunks (kernels.workspace), a step served from memory an earlier step freed grows nothing.
+    chunks (kernels.cpu.workspace), a step served from memory an earlier step freed grows nothing.
     Workspace storages the step takes count as live from then on, as they stay held between steps.
     Allocations on the concurrent plan's workers other than the calling thread are not seen (dispatch
     modes are thread-local; the calling thread is a worker too where the workers are torch's OpenMP
@@ -120,7 +121,7 @@ def expert_matmuls(counts: list[int], cfg: BenchConfig, device, ours: bool, layo
     with their biases, as both layers' products add them); the input gradient of the first product
     only with --input-grad, as both layers' backward computes it only then.
 
-    Ours: per expert through `kernels.gemm` into preallocated outputs, with the backends the layer's
+    Ours: per expert through `kernels.cpu.gemm` into preallocated outputs, with the backends the layer's
     products were measured to use (or one grouped GEMM per product, or experts side by side on worker
     threads with the backends measured there, when the layer chose that plan), without the layer's
     activations and sums around them.
@@ -200,7 +201,7 @@ def expert_matmuls(counts: list[int], cfg: BenchConfig, device, ours: bool, layo
 
 
 def chosen_backends() -> str:
-    """What the measured choices of `kernels.gemm` came to: how many shape classes took each option."""
+    """What the measured choices of `kernels.cpu.gemm` came to: how many shape classes took each option."""
     tally: dict[str, int] = {}
     for key, choice in gemm.choices().items():
         name = f"{key.split('|')[0]}:{choice}"

@@ -12,7 +12,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from kernels import gemm
+from kernels.cpu import gemm
 
 
 class SetupError(Exception):
@@ -106,7 +106,7 @@ def resumed_line(path: str, where: str, done: int, flag: str, end: int) -> str:
 
 
 def cpu_name() -> str:
-    """The CPU's model, family and vector extensions (`kernels.gemm.cpu_model`), so that a speed figure
+    """The CPU's model, family and vector extensions (`kernels.cpu.choices.cpu_model`), so that a speed figure
     says where it was taken."""
     return gemm.cpu_model()
 

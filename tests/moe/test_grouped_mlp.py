@@ -9,7 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import gemm, threads, workspace
+from kernels import cpu
+from kernels.cpu import gemm
 from moe import grouped_mlp as grouped_mlp_module
 from moe.grouped_mlp import grouped_mlp
 
@@ -22,8 +23,8 @@ COUNTS = [9, 0, 17, 3, 11]
 @pytest.fixture(autouse=True)
 def _fresh_choices(monkeypatch):
     # buffers start as NaN: a row or gradient the backward does not write shows
-    monkeypatch.setattr(workspace, "empty", lambda shape, dtype, device="cpu": torch.full(shape, float("nan"), dtype=dtype))
-    monkeypatch.setattr(workspace, "empty_like", lambda t: torch.full_like(t, float("nan")))
+    monkeypatch.setattr(cpu, "empty", lambda shape, dtype, device="cpu": torch.full(shape, float("nan"), dtype=dtype))
+    monkeypatch.setattr(cpu, "empty_like", lambda t: torch.full_like(t, float("nan")))
     monkeypatch.delenv("MOE_CPU_GEMM", raising=False)
     monkeypatch.delenv("MOE_CPU_GEMM_CACHE", raising=False)
     before = torch.get_num_threads()
@@ -105,7 +106,7 @@ def test_gradients_not_asked_for_cost_no_products_or_sums(plan, case, monkeypatc
         counting(grouped_mlp_module, "grouped_mm", "product"), counting(grouped_mlp_module, "grouped_mm_t", "weight")
         counting(torch, "segment_reduce", "sum")
         times = 1
-    else:  # one call per expert with rows, through whichever backend kernels.gemm resolved
+    else:  # one call per expert with rows, through whichever backend kernels.cpu.gemm resolved
         for table, label in ((gemm._LINEAR, "product"), (gemm._LINEAR_TN, "weight")):
             for name, real in list(table.items()):
                 monkeypatch.setitem(table, name, counted(real, label))
@@ -114,7 +115,7 @@ def test_gradients_not_asked_for_cost_no_products_or_sums(plan, case, monkeypatc
     _gradients(_plan(plan), _operands(NEEDS[case]))
     want = [times * n for n in WORK[case]]
     if plan == "concurrent":  # its forward cuts the smallest experts in halves of rows: 2 products per item
-        want[0] += 2 * (len(grouped_mlp_module._forward_items(COUNTS, threads.workers())) - times)
+        want[0] += 2 * (len(grouped_mlp_module._forward_items(COUNTS, cpu.workers())) - times)
     assert [issued.count(label) for label in ("product", "weight", "sum")] == want
 
 
@@ -132,7 +133,7 @@ def test_the_layer_plan_is_measured_for_the_gradients_asked_for(monkeypatch):
             torch.testing.assert_close(value, want[name], **FP32)
     kinds = sorted(key.split("|")[0] for key in gemm.choices() if key.startswith("mlp"))
     assert kinds == ["mlp", "mlp@grads=01111"]
-    assert threads.workers() == 2
+    assert cpu.workers() == 2
 
 
 def test_an_evaluation_forward_takes_the_plan_of_its_training_forwards(monkeypatch):
@@ -172,7 +173,7 @@ def test_the_backward_holds_the_hidden_gradient_of_few_experts_at_a_time(plan, m
     with LiveBytes() as live:
         y.backward(grad_y)
     gradients = sum(t.numel() * t.element_size() for t in (x, w1, b1, w2, b2))
-    buffers = threads.workers() if plan == "concurrent" else 1
+    buffers = cpu.workers() if plan == "concurrent" else 1
     assert gradients <= live.peak <= gradients + (buffers + 1) * max(counts) * H * 4 + N * M * 4 < N * H * 4
     reference = _reference_with(counts, x, w1, b1, w2, b2)
     wanted = torch.autograd.grad(reference, [x, w1, b1, w2, b2], grad_y)

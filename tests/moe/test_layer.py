@@ -371,8 +371,8 @@ def test_the_layer_takes_deepspeeds_string_none_for_no_noise_and_one_name_of_the
 @pytest.mark.parametrize("pool", ["1", "0"])
 def test_building_a_layer_asks_glibc_to_keep_freed_chunks_unless_the_workspace_is_off(pool, monkeypatch):
     """A compiled model never uses the CPU workspace, whose first use tunes glibc; the layer tunes it
-    when built (kernels.workspace.keep_freed_memory), and MOE_CPU_WORKSPACE=0 leaves glibc alone."""
-    from kernels import workspace
+    when built (kernels.cpu.workspace.keep_freed_memory), and MOE_CPU_WORKSPACE=0 leaves glibc alone."""
+    from kernels.cpu import workspace
 
     calls = []
     monkeypatch.setattr(workspace, "_tune_malloc", lambda: calls.append(1) or True)

@@ -123,21 +123,44 @@ def test_truncated_checkpoint_is_refused_and_the_previous_one_loads(tmp_path):
 def test_a_resumed_run_multiplies_with_the_saved_runs_products(tmp_path):
     """The product implementations measured before a save are adopted on load: a resume that measured
     afresh could pick others and leave the straight run's numbers (in the last bits)."""
-    from kernels import gemm
+    from kernels.cpu import backend
 
     saved_choices = {"linear|4096|512x2048|float32|nn-": "onednn", "mlp|8192|16x512x2048x512|float32|n": "grouped"}
-    gemm.clear()
+    backend.clear()
     try:
-        gemm.adopt(saved_choices)
+        backend.adopt(saved_choices)
         engine = _engine(1, 0)
         engine_steps(engine, 1, 0, ACCUMULATION)
         engine.save_checkpoint(str(tmp_path), tag="one")
-        assert torch.load(tmp_path / "one" / "meta.pt", weights_only=True)["gemm"] == [gemm.choices()]
-        gemm.clear()  # a new process: nothing measured yet
+        assert torch.load(tmp_path / "one" / "meta.pt", weights_only=True)["gemm"] == [backend.choices()]
+        backend.clear()  # a new process: nothing measured yet
         _engine(1, 0).load_checkpoint(str(tmp_path))
-        assert gemm.choices() == saved_choices
+        assert backend.choices() == saved_choices
     finally:
-        gemm.clear()
+        backend.clear()
+
+
+def test_registered_extra_state_is_saved_by_rank_and_given_back_on_load(tmp_path, monkeypatch):
+    """A piece of per-process state registered by name travels in meta.pt beside the CPU products' choices;
+    a checkpoint without its entry loads without calling it, and meta.pt's own entries cannot be taken."""
+    from optim import checkpoint
+
+    monkeypatch.setattr(checkpoint, "_EXTRA_STATE", dict(checkpoint._EXTRA_STATE))
+    given = []
+    checkpoint.register_extra_state("counter", lambda: {"calls": 7}, given.append)
+    assert list(checkpoint._EXTRA_STATE) == ["gemm", "counter"]
+    engine = _engine(1, 0)
+    engine_steps(engine, 1, 0, ACCUMULATION)
+    engine.save_checkpoint(str(tmp_path), tag="one")
+    meta = torch.load(tmp_path / "one" / "meta.pt", weights_only=True)
+    assert meta["counter"] == [{"calls": 7}] and "gemm" in meta
+    _engine(1, 0).load_checkpoint(str(tmp_path))
+    assert given == [{"calls": 7}]
+    checkpoint.register_extra_state("other", dict, given.append)  # no such entry in the checkpoint: not called
+    _engine(1, 0).load_checkpoint(str(tmp_path))
+    assert given == [{"calls": 7}] * 2
+    with pytest.raises(ValueError, match="name must not be one of meta.pt's own entries .*, got 'rng'"):
+        checkpoint.register_extra_state("rng", dict, given.append)
 
 
 def test_loss_backward_and_output_backward_equal_engine_backward():

@@ -14,7 +14,7 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from kernels import gemm
+from kernels.cpu import gemm
 from moe import TopKGate
 from recipes import cifar, compare_dense_moe, gpt
 from recipes.common import runner

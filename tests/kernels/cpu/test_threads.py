@@ -1,4 +1,4 @@
-"""Experts side by side on single-threaded CPU workers (kernels.threads, the MLP's concurrent plan).
+"""Experts side by side on single-threaded CPU workers (kernels.cpu.threads, the MLP's concurrent plan).
 
 The workers are torch's OpenMP team where this process can call its runtime (Linux), else a pool of
 threads; the tests of `run_each` run on both (`workers_of` forces the pool). The plan is compared
@@ -15,7 +15,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import gemm, threads, workspace
+from kernels import cpu
+from kernels.cpu import choices, gemm, threads
 from moe import grouped_mlp as grouped_mlp_module
 from moe.grouped_mlp import ACTIVATIONS, _ACTIVATION_FUNCTIONS, _ConcurrentMLP, grouped_mlp
 
@@ -242,8 +243,8 @@ def _forward_backward(function, operands, counts, activation, seed=1):
 @pytest.mark.parametrize("bias", [True, False])
 def test_the_concurrent_plan_matches_autograd(two_threads, workers_of, dtype, activation, bias, monkeypatch):
     # buffers start as NaN: a row or gradient the plan does not write shows
-    monkeypatch.setattr(workspace, "empty", lambda shape, dtype, device="cpu": torch.full(shape, float("nan"), dtype=dtype))
-    monkeypatch.setattr(workspace, "empty_like", lambda t: torch.full_like(t, float("nan")))
+    monkeypatch.setattr(cpu, "empty", lambda shape, dtype, device="cpu": torch.full(shape, float("nan"), dtype=dtype))
+    monkeypatch.setattr(cpu, "empty_like", lambda t: torch.full_like(t, float("nan")))
     counts = [9, 0, 17, 3, 0, 11]  # uneven, with experts that got no rows
     operands = _operands(dtype, bias, counts)
     got = _forward_backward(lambda *a: _ConcurrentMLP.apply(*a[:6], (a[6], "none")), operands, counts, activation)
@@ -292,8 +293,8 @@ def test_the_forward_items_cover_every_row_once_the_smallest_experts_cut_in_halv
 def test_the_concurrent_backward_runs_two_items_per_expert(two_threads, workers_of, monkeypatch):
     """Every expert's hidden-gradient part first, the largest first, then every W2 part; a lone expert is one item."""
     seen = []
-    run_each = threads.run_each
-    monkeypatch.setattr(threads, "run_each", lambda work, items: seen.append(list(items)) or run_each(work, seen[-1]))
+    run_each = cpu.run_each
+    monkeypatch.setattr(cpu, "run_each", lambda work, items: seen.append(list(items)) or run_each(work, seen[-1]))
     for counts, want in (([9, 0, 17, 3], [(2, ("h",)), (0, ("h",)), (3, ("h",)), (2, ("w2",)), (0, ("w2",)),
                                           (3, ("w2",))]),
                          ([0, 12, 0], [(1, ("h", "w2"))])):
@@ -337,7 +338,7 @@ def test_the_concurrent_plan_measures_its_products_on_the_workers(two_threads, m
     for backend in gemm.candidates(torch.float32):
         gemm.clear()
         measured_on = set()
-        monkeypatch.setattr(gemm, "_measure", lambda runs: measured_on.add(_single_threaded()) or backend)
+        monkeypatch.setattr(cpu.backend, "_measure", lambda runs: measured_on.add(_single_threaded()) or backend)
 
         def run():
             return _forward_backward(lambda *a: _ConcurrentMLP.apply(*a[:6], (a[6], "none")), operands, counts, "gelu")
@@ -357,7 +358,7 @@ def test_a_lone_expert_runs_in_the_caller_with_its_threads_and_classes(two_threa
         pytest.skip("this torch build has no oneDNN linear: products always use BLAS, nothing is measured")
     monkeypatch.setattr(gemm, "MEASURE_FROM", 0)
     measured_on = set()
-    monkeypatch.setattr(gemm, "_measure", lambda runs: measured_on.add(torch.get_num_threads()) or "onednn")
+    monkeypatch.setattr(cpu.backend, "_measure", lambda runs: measured_on.add(torch.get_num_threads()) or "onednn")
     counts = [0, 50, 0]
     operands = _operands(torch.float32, True, counts, M=40, H=72)
     got = _forward_backward(lambda *a: _ConcurrentMLP.apply(*a[:6], (a[6], "none")), operands, counts, "relu")
@@ -371,15 +372,15 @@ def test_workers_keep_their_choices_under_the_callers_entry_of_the_cache_file(tw
     if not gemm.measuring(torch.float32):
         pytest.skip("this torch build has no oneDNN linear: products always use BLAS, nothing is measured")
     monkeypatch.setattr(gemm, "MEASURE_FROM", 0)
-    monkeypatch.setattr(gemm, "_measure", lambda runs: "onednn")
+    monkeypatch.setattr(cpu.backend, "_measure", lambda runs: "onednn")
     path = tmp_path / "gemm.json"
     monkeypatch.setenv("MOE_CPU_GEMM_CACHE", str(path))
     counts = [40, 30, 20]
     operands = _operands(torch.float32, True, counts, M=40, H=72)
     _forward_backward(lambda *a: _ConcurrentMLP.apply(*a[:6], (a[6], "none")), operands, counts, "gelu")
     stored = json.loads(path.read_text())
-    assert list(stored) == [gemm._machine()] and gemm._machine().endswith("threads 2")
-    assert set(stored[gemm._machine()]) == set(gemm.choices()) and any("@worker" in key for key in gemm.choices())
+    assert list(stored) == [choices.machine()] and choices.machine().endswith("threads 2")
+    assert set(stored[choices.machine()]) == set(gemm.choices()) and any("@worker" in key for key in gemm.choices())
 
 
 def test_the_concurrent_plan_with_no_rows_at_all(two_threads):
@@ -408,9 +409,9 @@ def test_the_measured_plan_offers_and_runs_experts_side_by_side(two_threads, mon
             return "concurrent" if "concurrent" in runs else "per_expert"
         return next(iter(runs))
 
-    real_run_each = threads.run_each
-    monkeypatch.setattr(threads, "run_each", lambda work, items: ran.append(1) or real_run_each(work, items))
-    monkeypatch.setattr(gemm, "choose", choose)
+    real_run_each = cpu.run_each
+    monkeypatch.setattr(cpu, "run_each", lambda work, items: ran.append(1) or real_run_each(work, items))
+    monkeypatch.setattr(cpu.backend, "choose", choose)
     monkeypatch.setattr(gemm, "MEASURE_FROM", 0)
     monkeypatch.setattr(grouped_mlp_module, "CONCURRENT_FROM", 0)
     counts = [7, 13, 0, 5]
@@ -425,7 +426,8 @@ def test_the_measured_plan_offers_and_runs_experts_side_by_side(two_threads, mon
     monkeypatch.setattr(grouped_mlp_module, "CONCURRENT_FROM", 1 << 40)
     for team in (True, False) if threads.openmp_team() else (False,):  # (no team to run on elsewhere)
         offered.clear(), ran.clear(), gemm.clear()
-        monkeypatch.setattr(threads, "openmp_team", lambda: team)
+        monkeypatch.setattr(cpu, "openmp_team", lambda: team)  # what the plan's offer asks
+        monkeypatch.setattr(threads, "openmp_team", lambda: team)  # what run_each asks
         _forward_backward(lambda *a: grouped_mlp(*a[:6], a[6], use_grouped_gemm=None), operands, counts, "silu")
         assert offered and all(("concurrent" in runs) == team for runs in offered) and bool(ran) == team
 
@@ -443,17 +445,17 @@ def test_a_kept_plan_stands_for_every_batch_of_its_class(two_threads, monkeypatc
         measured.append(key)
         return "concurrent" if key.startswith("mlp") else next(iter(runs))
 
-    monkeypatch.setattr(gemm, "choose", choose)
-    monkeypatch.setattr(gemm, "_choices", {})
+    monkeypatch.setattr(cpu.backend, "choose", choose)
+    monkeypatch.setattr(cpu.backend, "_choices", {})
     for counts in ([16, 16], [15, 14]):  # 32 rows, then 29 rows of the same class (32)
         operands = _operands(torch.float32, True, counts, M=M, H=H)
         if not measured:
             _forward_backward(lambda *a: grouped_mlp(*a[:6], a[6], use_grouped_gemm=None), operands, counts, "gelu")
-            gemm._choices.update({key: "concurrent" for key in measured if key.startswith("mlp")})
+            cpu.backend._choices.update({key: "concurrent" for key in measured if key.startswith("mlp")})
             continue
         ran = []
-        real_run_each = threads.run_each
-        monkeypatch.setattr(threads, "run_each", lambda work, items: ran.append(1) or real_run_each(work, items))
+        real_run_each = cpu.run_each
+        monkeypatch.setattr(cpu, "run_each", lambda work, items: ran.append(1) or real_run_each(work, items))
         _forward_backward(lambda *a: grouped_mlp(*a[:6], a[6], use_grouped_gemm=None), operands, counts, "gelu")
         assert ran, "the second batch of the class did not run the kept concurrent plan"
     assert sum(key.startswith("mlp") for key in measured) == 1

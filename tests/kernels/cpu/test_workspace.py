@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels import workspace
+from kernels.cpu import workspace
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def _ptr(t):

@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import gemm
+from kernels import cpu
+from kernels.cpu import choices, gemm
 from moe import MoE
 from moe import grouped_mlp as grouped_mlp_module
 from moe.grouped_mlp import grouped_mlp
@@ -109,7 +110,7 @@ def test_the_widened_product_sums_in_fp32_and_rounds_once(monkeypatch):
 def test_with_native_half_products_the_widened_product_is_timed_beside_them(monkeypatch):
     _onednn_running(monkeypatch, half=True)
     measured = []
-    monkeypatch.setattr(gemm, "_measure", lambda runs: measured.append(list(runs)) or list(runs)[-1])
+    monkeypatch.setattr(cpu.backend, "_measure", lambda runs: measured.append(list(runs)) or list(runs)[-1])
     assert "widened" not in gemm.candidates(torch.float32)
     for dtype in (torch.bfloat16, torch.float16):
         assert gemm.candidates(dtype) == ("blas", "onednn", "widened") and gemm.measuring(dtype)
@@ -123,7 +124,7 @@ def test_with_native_half_products_the_widened_product_is_timed_beside_them(monk
 
 def test_without_native_half_products_the_widened_product_is_taken_untimed(monkeypatch):
     _onednn_running(monkeypatch, half=False)
-    monkeypatch.setattr(gemm, "_measure", lambda runs: pytest.fail(f"timed {list(runs)}"))
+    monkeypatch.setattr(cpu.backend, "_measure", lambda runs: pytest.fail(f"timed {list(runs)}"))
     ran = _spy_backends(monkeypatch)
     for dtype in (torch.bfloat16, torch.float16):
         assert gemm.candidates(dtype) == ("widened",) and not gemm.measuring(dtype)
@@ -147,7 +148,7 @@ def test_a_shape_class_is_measured_once_and_its_choice_kept(monkeypatch):
         measured.append(list(runs))
         return list(runs)[len(measured) % 2]  # alternates, like noisy timings would
 
-    monkeypatch.setattr(gemm, "_measure", fake_measure)
+    monkeypatch.setattr(cpu.backend, "_measure", fake_measure)
     x, w, _ = _operands(40, 24, 40, torch.float32, False)
     gemm.linear(x, w)
     gemm.linear(x[:35], w)  # 35 and 40 rows: one class (up to 64)
@@ -193,7 +194,7 @@ def test_a_loop_resolves_each_rows_class_once_and_runs_what_linear_runs(monkeypa
         measured.append(1)
         return list(runs)[len(measured) % 2]  # alternates: neighbouring classes get different backends
 
-    monkeypatch.setattr(gemm, "_measure", fake_measure)
+    monkeypatch.setattr(cpu.backend, "_measure", fake_measure)
     x, w, b = _operands(70, 24, 40, torch.float32, False)
     y = torch.randn(70, 40, generator=torch.Generator().manual_seed(5))
     rows = [40, 35, 10, 0, 64, 12, 1, 70]  # classes: 64, 64, 16, 0, 64, 16, 0, 128
@@ -221,7 +222,7 @@ def test_a_loop_keeps_small_products_of_a_measured_class_on_blas(monkeypatch, ro
     if not gemm.measuring(torch.float32):
         pytest.skip("this torch build has no oneDNN linear: products always use BLAS")
     monkeypatch.setattr(gemm, "MEASURE_FROM", 12 * 24 * 40)  # 12 rows of 24 x 40: 10 rows below, 16 above
-    monkeypatch.setattr(gemm, "_measure", lambda runs: "onednn")
+    monkeypatch.setattr(cpu.backend, "_measure", lambda runs: "onednn")
     x, w, b = _operands(16, 24, 40, torch.float32, False)
     y = torch.randn(16, 40, generator=torch.Generator().manual_seed(5))
     ran = _spy_backends(monkeypatch)
@@ -249,7 +250,7 @@ def test_threads_measuring_one_class_at_once_all_use_the_first_choice_stored(mon
         barrier.wait()  # both threads are measuring the class at once
         return list(runs)[0] if threading.current_thread().name == "first" else list(runs)[1]
 
-    monkeypatch.setattr(gemm, "_measure", fake_measure)
+    monkeypatch.setattr(cpu.backend, "_measure", fake_measure)
 
     def call():
         results[threading.current_thread().name] = gemm.choose("linear@worker|64|8x8|float32|nn-",
@@ -278,7 +279,7 @@ def test_two_identical_runs_are_bitwise_equal_whatever_the_timings(monkeypatch):
             return "per_expert"
         return list(runs)[len(calls) % len(runs)]
 
-    monkeypatch.setattr(gemm, "_measure", fake_measure)
+    monkeypatch.setattr(cpu.backend, "_measure", fake_measure)
 
     def run():
         torch.manual_seed(0)
@@ -305,8 +306,8 @@ def test_grouped_and_per_expert_plans_agree(monkeypatch):
             torch.randn(L, M, H, generator=g), torch.randn(L, M, generator=g)]
     outputs = {}
     for plan in ("per_expert", "grouped"):
-        monkeypatch.setattr(gemm, "choose", lambda key, runs, plan=plan: plan if key.startswith("mlp") else list(runs)[0])
-        monkeypatch.setattr(gemm, "measuring", lambda dtype: True)
+        monkeypatch.setattr(cpu.backend, "choose", lambda key, runs, plan=plan: plan if key.startswith("mlp") else list(runs)[0])
+        monkeypatch.setattr(cpu, "measuring", lambda dtype: True)
         leaves = [t.clone().requires_grad_() for t in args]
         y = grouped_mlp(leaves[0], *leaves[1:], counts, "gelu", use_grouped_gemm=None)
         y.square().sum().backward()
@@ -336,10 +337,10 @@ def test_half_precision_without_native_products_times_the_plans_but_not_the_grou
     # grouped GEMM (it would multiply in bf16 itself, the loops the widened products avoid)
     _onednn_running(monkeypatch, half=False)
     monkeypatch.setattr(grouped_mlp_module, "CONCURRENT_FROM", 0)
-    monkeypatch.setattr(grouped_mlp_module.threads, "workers", lambda: 2)
+    monkeypatch.setattr(cpu, "workers", lambda: 2)
     monkeypatch.setattr(grouped_mlp_module, "runs_natively", lambda *operands: True)
     timed = []
-    monkeypatch.setattr(gemm, "_measure", lambda runs: timed.append(list(runs)) or list(runs)[0])
+    monkeypatch.setattr(cpu.backend, "_measure", lambda runs: timed.append(list(runs)) or list(runs)[0])
     torch.manual_seed(0)
     layer = MoE(16, nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16)), num_experts=4, k=2).bfloat16()
     layer.deepspeed_moe.gate.float()
@@ -369,7 +370,7 @@ def test_fake_cpu_tensors_take_torch_products_and_leave_the_probe_alone(monkeypa
     gemm._onednn_op.cache_clear()
     outside = gemm._onednn_op(torch.float32) is not None
     gemm._onednn_op.cache_clear()  # the next probe runs under a fake mode, and its answer is kept
-    monkeypatch.setattr(gemm, "_measure", lambda runs: pytest.fail(f"timed {list(runs)} on fake tensors"))
+    monkeypatch.setattr(cpu.backend, "_measure", lambda runs: pytest.fail(f"timed {list(runs)} on fake tensors"))
     with FakeTensorMode():
         x, w = torch.empty(64, 24), torch.empty(40, 24)
         assert gemm.linear(x, w).shape == (64, 40)  # torch's product, nothing timed
@@ -402,7 +403,7 @@ def test_choices_persist_in_the_cache_file(monkeypatch, tmp_path):
     entries["linear|32|8x12|float32|nn-"] = "onednn"
     path.write_text(json.dumps(stored))
     gemm.clear()
-    monkeypatch.setattr(gemm, "_measure", lambda runs: pytest.fail("measured although the file had the choice"))
+    monkeypatch.setattr(cpu.backend, "_measure", lambda runs: pytest.fail("measured although the file had the choice"))
     torch.testing.assert_close(gemm.linear(x, w), F.linear(x, w), **FP32)
     assert gemm.choices() == {"linear|32|8x12|float32|nn-": "onednn"}
     assert not list(tmp_path.glob(".gemm-*")), "no temporary file is left behind"
@@ -410,7 +411,7 @@ def test_choices_persist_in_the_cache_file(monkeypatch, tmp_path):
 
 def test_small_products_take_blas_unmeasured(monkeypatch):
     monkeypatch.setattr(gemm, "MEASURE_FROM", DEFAULT_MEASURE_FROM)
-    monkeypatch.setattr(gemm, "_measure", lambda runs: pytest.fail("a small product was measured"))
+    monkeypatch.setattr(cpu.backend, "_measure", lambda runs: pytest.fail("a small product was measured"))
     x, w, b = _operands(64, 32, 64, torch.float32, False)  # 131,072 multiply-adds
     torch.testing.assert_close(gemm.linear(x, w, b), F.linear(x, w, b), rtol=0, atol=0)  # BLAS: torch's own
     torch.testing.assert_close(gemm.linear_tn(x, x), torch.mm(x.t(), x), rtol=0, atol=0)
@@ -424,11 +425,11 @@ def test_small_products_take_blas_unmeasured(monkeypatch):
 def test_adopted_choices_fill_the_classes_not_met_yet(monkeypatch):
     if not gemm.measuring(torch.float32):
         pytest.skip("this torch build has no oneDNN linear: products always use BLAS")
-    monkeypatch.setattr(gemm, "_measure", lambda runs: "blas")
+    monkeypatch.setattr(cpu.backend, "_measure", lambda runs: "blas")
     x, w, _ = _operands(20, 8, 12, torch.float32, False)
     gemm.linear(x, w)
     gemm.adopt({"linear|32|8x12|float32|nn-": "onednn", "linear|64|8x12|float32|nn-": "onednn"})
-    monkeypatch.setattr(gemm, "_measure", lambda runs: pytest.fail("measured although a choice was adopted"))
+    monkeypatch.setattr(cpu.backend, "_measure", lambda runs: pytest.fail("measured although a choice was adopted"))
     gemm.linear(torch.cat([x, x, x]), w)
     assert gemm.choices() == {"linear|32|8x12|float32|nn-": "blas", "linear|64|8x12|float32|nn-": "onednn"}
     with pytest.raises(ValueError, match="GEMM choices must map shape classes to implementation names, got"):
@@ -468,77 +469,77 @@ class _Clock:
 
 def test_a_long_candidate_far_slower_after_a_round_is_timed_no_more(monkeypatch):
     clock, calls = _Clock(), []
-    monkeypatch.setattr(gemm.time, "perf_counter", clock)
-    monkeypatch.setattr(gemm, "_noticed", True)  # (12 s of timing would announce itself)
+    monkeypatch.setattr(choices.time, "perf_counter", clock)
+    monkeypatch.setattr(cpu.backend, "_noticed", True)  # (12 s of timing would announce itself)
     runs = {"fast": clock.run(1.0, calls, "fast"), "close": clock.run(1.1, calls, "close"),
             "slow": clock.run(1.3, calls, "slow")}  # 1.3 > DROP_SLOWER_THAN = 1.15 times the fastest
-    assert gemm._measure(runs) == "fast"
-    assert calls.count("fast") == calls.count("close") == 1 + gemm._ROUNDS  # warm-up, then every round
+    assert cpu.backend._measure(runs) == "fast"
+    assert calls.count("fast") == calls.count("close") == 1 + choices._ROUNDS  # warm-up, then every round
     assert calls.count("slow") == 2  # warm-up and the first round
     calls.clear()  # short calls are timed every round whatever their gap: one round's noise can be that large
     short = {name: clock.run(seconds, calls, name) for name, seconds in (("fast", 0.01), ("slow", 0.02))}
-    assert gemm._measure(short) == "fast" and calls.count("slow") == 1 + gemm._ROUNDS
+    assert cpu.backend._measure(short) == "fast" and calls.count("slow") == 1 + choices._ROUNDS
 
 
 def test_a_candidate_far_slower_at_its_first_call_is_not_timed_unless_it_measured_inside(monkeypatch):
     clock, calls = _Clock(), []
-    monkeypatch.setattr(gemm.time, "perf_counter", clock)
-    monkeypatch.setattr(gemm, "_noticed", True)
+    monkeypatch.setattr(choices.time, "perf_counter", clock)
+    monkeypatch.setattr(cpu.backend, "_noticed", True)
     runs = {"fast": clock.run(1.0, calls, "fast"), "slow": clock.run(4.5, calls, "slow"),
             "close": clock.run(3.9, calls, "close")}
-    assert gemm._measure(runs) == "fast"
+    assert cpu.backend._measure(runs) == "fast"
     assert calls.count("slow") == 1  # its first call only: over FIRST_SLOWER_THAN = 4 times the fastest first call
     assert calls.count("close") == 2  # within 4x at first, then over DROP_SLOWER_THAN after the first round
-    assert calls.count("fast") == 1 + gemm._ROUNDS
+    assert calls.count("fast") == 1 + choices._ROUNDS
 
     def plan():  # a layer's plan: its first call times its products' backends (40 s of the clock) first
         calls.append("plan")
         if calls.count("plan") == 1:
-            gemm._measure({"a": clock.run(5.0, calls, "a"), "b": clock.run(5.5, calls, "b")})
+            cpu.backend._measure({"a": clock.run(5.0, calls, "a"), "b": clock.run(5.5, calls, "b")})
         clock.now += 1.0
 
     calls.clear()
-    assert gemm._measure({"other": clock.run(1.1, calls, "other"), "plan": plan}) == "plan"
-    assert calls.count("plan") == calls.count("other") == 1 + gemm._ROUNDS
+    assert cpu.backend._measure({"other": clock.run(1.1, calls, "other"), "plan": plan}) == "plan"
+    assert calls.count("plan") == calls.count("other") == 1 + choices._ROUNDS
 
 
 def test_a_first_call_during_which_another_thread_measured_is_not_judged_by_it(monkeypatch):
     clock, calls = _Clock(), []
-    monkeypatch.setattr(gemm.time, "perf_counter", clock)
-    monkeypatch.setattr(gemm, "_noticed", True)
+    monkeypatch.setattr(choices.time, "perf_counter", clock)
+    monkeypatch.setattr(cpu.backend, "_noticed", True)
 
     def plan():  # experts side by side: a worker thread times its products during the plan's first call
         calls.append("plan")
         if calls.count("plan") == 1:
-            worker = threading.Thread(target=gemm._measure, args=({"a": clock.run(5.0, calls, "a")},))
+            worker = threading.Thread(target=cpu.backend._measure, args=({"a": clock.run(5.0, calls, "a")},))
             worker.start()
             worker.join()
         clock.now += 1.0
 
-    assert gemm._measure({"other": clock.run(1.1, calls, "other"), "plan": plan}) == "plan"
-    assert calls.count("plan") == 1 + gemm._ROUNDS
+    assert cpu.backend._measure({"other": clock.run(1.1, calls, "other"), "plan": plan}) == "plan"
+    assert calls.count("plan") == 1 + choices._ROUNDS
 
 
 def test_a_long_measurement_is_announced_once_per_process(monkeypatch, caplog):
     clock, calls = _Clock(), []
-    monkeypatch.setattr(gemm.time, "perf_counter", clock)
-    monkeypatch.setattr(gemm, "_noticed", False)
+    monkeypatch.setattr(choices.time, "perf_counter", clock)
+    monkeypatch.setattr(cpu.backend, "_noticed", False)
     quick = {name: clock.run(seconds, calls, name) for name, seconds in (("a", 0.5), ("b", 1.5))}  # 8 s in all
     with caplog.at_level("WARNING", logger="kernels.gemm"):
-        gemm._measure(quick)  # projected from the calls so far, not the first call times all: under NOTICE_SECONDS
+        cpu.backend._measure(quick)  # projected from the calls so far, not the first call times all: under NOTICE_SECONDS
         assert caplog.records == []
         slow = {name: clock.run(2.0, calls, name) for name in ("a", "b")}  # about 16 s
-        gemm._measure(slow)
-        gemm._measure(slow)
+        cpu.backend._measure(slow)
+        cpu.backend._measure(slow)
     assert len(caplog.records) == 1 and "MOE_CPU_GEMM_CACHE" in caplog.records[0].getMessage()
 
 
 def test_only_rank_0_announces_a_long_measurement(monkeypatch, caplog):
-    monkeypatch.setattr(gemm, "_noticed", False)
-    monkeypatch.setattr(gemm.dist, "is_initialized", lambda: True)
-    monkeypatch.setattr(gemm.dist, "get_rank", lambda: 1)
+    monkeypatch.setattr(cpu.backend, "_noticed", False)
+    monkeypatch.setattr(choices.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(choices.dist, "get_rank", lambda: 1)
     with caplog.at_level("WARNING", logger="kernels.gemm"):
-        gemm._notice(60.0)
+        cpu.backend._notice(60.0)
     assert caplog.records == []
 
 
@@ -571,4 +572,4 @@ def test_without_cpu_flags_the_cpu_name_is_the_model_name_alone(tmp_path):
     cpuinfo.write_text("processor\t: 0\nmodel name\t: Some CPU\n")
     assert gemm.cpu_model(str(cpuinfo)) == "Some CPU"
     assert gemm.cpu_model(str(tmp_path / "missing")) == (platform.processor() or "unknown CPU")
-    assert gemm.cpu_model() in gemm._machine()  # the cache file's entries are kept per CPU so described
+    assert gemm.cpu_model() in choices.machine()  # the cache file's entries are kept per CPU so described

@@ -23,15 +23,11 @@ import threading
 
 import torch
 
-__all__ = ["allocator_reuses", "clear", "empty", "empty_like", "held_bytes", "keep_freed_memory"]
+__all__ = ["Workspace", "allocator_reuses", "clear", "empty", "empty_like", "held_bytes", "keep_freed_memory"]
 
 _MIN_BYTES = 1 << 20  # below this, the allocator's own free lists are fast enough
 _KEPT_BYTES = 32 << 20  # below this, glibc tuned by _tune_malloc keeps and reuses freed chunks itself
 _IDLE_REQUESTS = 512  # a free storage not reused for this many requests is released
-_pool: dict[int, list[torch.UntypedStorage]] = {}  # size class -> storages of exactly that size
-_last_use: dict[int, int] = {}  # id(storage) -> request number of its last use
-_requests = 0
-_lock = threading.Lock()
 
 
 def _enabled() -> bool:
@@ -67,9 +63,9 @@ def _address(function) -> int:
 
 def _tune_jemalloc(mallctl) -> bool:
     """Turn jemalloc's decay off in every arena, unless MALLOC_CONF names one; whether dirty pages stay."""
-    # Its default decay gives freed pages back over ten seconds and faults them in again: in the GPT
-    # recipe's MoE model 32,000 page faults a step, against 6-15 with the decay off (docs/benchmarks.md,
-    # the twelfth session). Only the environment variable is read, not /etc/malloc.conf.
+    # Its default decay gives freed pages back over ten seconds and faults them in again, tens of
+    # thousands of pages a step in the GPT recipe's MoE model (docs/benchmarks.md). Only the environment
+    # variable is read, not /etc/malloc.conf.
     mallctl.argtypes = [ctypes.c_char_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
     mallctl.restype = ctypes.c_int
     if "decay" not in os.environ.get("MALLOC_CONF", ""):
@@ -97,9 +93,8 @@ def keep_freed_memory() -> bool:
     unless MOE_CPU_WORKSPACE=0; whether it did.
 
     The pool does this on its first use, which a compiled model never makes: its buffers are
-    Inductor's, allocated by torch from glibc. The GPT recipe's MoE model compiled on a 2-core AMD
-    EPYC page-faulted about 3,000 times per step (12 MiB of fresh pages) with glibc untuned, none
-    tuned, so MoE layers call this when they are built.
+    Inductor's, allocated by torch from glibc, which untuned faults thousands of fresh pages in every
+    step; so MoE layers call this when they are built.
     """
     return _enabled() and _tune_malloc()
 
@@ -121,39 +116,66 @@ def _round_up(nbytes: int) -> int:
     return -(-nbytes // step) * step
 
 
+class Workspace:
+    """A pool of CPU storages by size class, each handed out again only when no tensor uses it."""
+
+    def __init__(self):
+        self._pool: dict[int, list[torch.UntypedStorage]] = {}  # size class -> storages of exactly that size
+        self._last_use: dict[int, int] = {}  # id(storage) -> request number of its last use
+        self._requests = 0
+        self._lock = threading.Lock()
+
+    def empty(self, shape, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
+        """An uninitialised contiguous tensor, backed by pooled memory when it is large and on the CPU."""
+        # Under torch.compile the pool's storage tricks (set_, use counts) cannot be traced, nor sizes be
+        # compared (they may be symbolic); Inductor plans the graph's buffers itself. Below 32 MiB a tuned
+        # glibc serves freed chunks again without faults, at a fraction of the pool's cost per call; the
+        # layers ask for a dozen buffers per forward and backward, so this, the common case, is decided
+        # in few steps.
+        if torch.compiler.is_compiling():
+            return torch.empty(shape, dtype=dtype, device=device)
+        nbytes = math.prod(shape) * dtype.itemsize
+        if allocator_reuses(nbytes):
+            return torch.empty(shape, dtype=dtype, device=device)
+        device = torch.device(device)
+        if device.type != "cpu" or not _enabled():
+            return torch.empty(shape, dtype=dtype, device=device)
+        with self._lock:
+            return self._take(_round_up(nbytes), dtype, tuple(shape))
+
+    def _take(self, size: int, dtype: torch.dtype, shape: tuple) -> torch.Tensor:
+        """A tensor on a free storage of this size class, or on a new one; idle storages are released."""
+        self._requests += 1
+        if self._requests % 64 == 0:
+            for storages in self._pool.values():
+                storages[:] = [s for s in storages
+                               if not _unused(s) or self._requests - self._last_use[id(s)] < _IDLE_REQUESTS]
+        storages = self._pool.setdefault(size, [])
+        storage = next((s for s in storages if _unused(s)), None)
+        if storage is None:
+            storage = torch.empty(size, dtype=torch.uint8).untyped_storage()
+            storages.append(storage)
+        self._last_use[id(storage)] = self._requests
+        return torch.empty(0, dtype=dtype).set_(storage, 0, shape)
+
+    def clear(self) -> None:
+        """Forget pooled storages (they are freed once no tensor uses them)."""
+        with self._lock:
+            self._pool.clear()
+            self._last_use.clear()
+
+    def held_bytes(self) -> int:
+        """Bytes of the storages the pool holds now."""
+        with self._lock:
+            return sum(s.nbytes() for storages in self._pool.values() for s in storages)
+
+
+_WORKSPACE = Workspace()  # the process's pool, which every layer shares
+
+
 def empty(shape, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
-    """An uninitialised contiguous tensor, backed by pooled memory when it is large and on the CPU."""
-    # Under torch.compile the pool's storage tricks (set_, use counts) cannot be traced, nor sizes be
-    # compared (they may be symbolic); Inductor plans the graph's buffers itself. Below 32 MiB a tuned
-    # glibc serves freed chunks again without faults, at a seventh of the pool's cost per call (2
-    # against 13 us on a 2-core AMD EPYC); the layers ask for a dozen buffers per forward and backward,
-    # so this, the common case, is decided in few steps (10 us a call, where the full checks took 14.5).
-    if torch.compiler.is_compiling():
-        return torch.empty(shape, dtype=dtype, device=device)
-    nbytes = math.prod(shape) * dtype.itemsize
-    if allocator_reuses(nbytes):
-        return torch.empty(shape, dtype=dtype, device=device)
-    device = torch.device(device)
-    if device.type != "cpu" or not _enabled():
-        return torch.empty(shape, dtype=dtype, device=device)
-    with _lock:
-        return _take(_round_up(nbytes), dtype, tuple(shape))
-
-
-def _take(size: int, dtype: torch.dtype, shape: tuple) -> torch.Tensor:
-    """A tensor on a free storage of this size class, or on a new one; idle storages are released."""
-    global _requests
-    _requests += 1
-    if _requests % 64 == 0:
-        for storages in _pool.values():
-            storages[:] = [s for s in storages if not _unused(s) or _requests - _last_use[id(s)] < _IDLE_REQUESTS]
-    storages = _pool.setdefault(size, [])
-    storage = next((s for s in storages if _unused(s)), None)
-    if storage is None:
-        storage = torch.empty(size, dtype=torch.uint8).untyped_storage()
-        storages.append(storage)
-    _last_use[id(storage)] = _requests
-    return torch.empty(0, dtype=dtype).set_(storage, 0, shape)
+    """`Workspace.empty` of the process's pool: an uninitialised contiguous tensor, pooled when large and on the CPU."""
+    return _WORKSPACE.empty(shape, dtype, device)
 
 
 def empty_like(t: torch.Tensor) -> torch.Tensor:
@@ -161,13 +183,10 @@ def empty_like(t: torch.Tensor) -> torch.Tensor:
 
 
 def clear() -> None:
-    """Forget pooled storages (they are freed once no tensor uses them)."""
-    with _lock:
-        _pool.clear()
-        _last_use.clear()
+    """Forget the process pool's storages (they are freed once no tensor uses them)."""
+    _WORKSPACE.clear()
 
 
 def held_bytes() -> int:
-    """Bytes of the storages the pool holds now."""
-    with _lock:
-        return sum(s.nbytes() for storages in _pool.values() for s in storages)
+    """Bytes of the storages the process's pool holds now."""
+    return _WORKSPACE.held_bytes()
