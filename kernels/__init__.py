@@ -14,8 +14,8 @@ from kernels.permute import permute, permute_reference
 from kernels.slots import buffer_rows, expert_positions, expert_positions_reference
 from kernels.unpermute_combine import unpermute_combine, unpermute_combine_reference
 
-# import paths the package had before its CPU modules moved into kernels.cpu (`import kernels.gemm`
-# then `kernels.gemm.linear` needs the attribute as well as the module entry)
+# short module names that scripts import (kernels.gemm, ...), each the same module as in kernels.cpu
+# (`import kernels.gemm` then `kernels.gemm.linear` needs the attribute as well as the module entry)
 for _old, _new in {"gemm": cpu.gemm, "threads": cpu.threads, "workspace": cpu.workspace}.items():
     sys.modules[f"{__name__}.{_old}"] = _new
     globals()[_old] = _new

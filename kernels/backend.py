@@ -99,9 +99,8 @@ def launcher(name: str, launch, fake):
     `fake`) where a trace needs an opaque op, else `launch` itself.
 
     The op is what torch.compile, torch.jit.trace, fake tensors, the meta device and dispatch modes
-    see. Other eager calls on real tensors skip it: its dispatch costs about 40 us of host time per
-    call (41 us against 6 us for a direct call of the same function, 2-core AMD EPYC), and a small
-    model on a GPU is bound by host time. The first tensor argument decides.
+    see. Other eager calls on real tensors skip it: its dispatch costs several times a direct call's
+    host time, and a small model on a GPU is bound by host time. The first tensor argument decides.
     """
     op = torch.library.custom_op(name, launch, mutates_args=())
     op.register_fake(fake)

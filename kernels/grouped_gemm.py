@@ -150,8 +150,8 @@ def _forced() -> str:
 def _constant_result(fn):
     """`torch.compiler.assume_constant_result(fn)` without importing Dynamo.
 
-    That decorator imports torch._dynamo (2.6 s of the 5.2 s `import moe` took on a 2-core AMD EPYC)
-    only to mark the function; the mark is set here (tests/test_packaging.py checks it is the one
+    That decorator imports torch._dynamo (a large share of `import moe`'s time) only to mark the
+    function; the mark is set here (tests/test_packaging.py checks it is the one
     torch sets), so `import moe` costs what `import torch` costs.
     """
     fn._dynamo_marked_constant = True
@@ -323,8 +323,8 @@ def _grouped_mm_t_torch(a_NP: torch.Tensor, b_NQ: torch.Tensor, offsets_L: torch
 
     Given `a_NP.t()` in a graph, Inductor may copy the transposed view into a fresh row-major [P, N]
     buffer; torch's CUDA kernel then requires every expert's rows to span a multiple of 16 bytes
-    (row count x element size: 8 rows in bf16) and stops with a device-side assert (seen on an H200
-    compiling the GPT recipe's bf16 MoE model).
+    (row count x element size: 8 rows in bf16) and stops with a device-side assert (compiling the GPT
+    recipe's bf16 MoE model).
     A custom op receives its inputs with the strides they had when traced (row-major [N, P]), so the
     transposed view is made here, as in eager mode, where no such alignment applies.
     """
@@ -370,9 +370,8 @@ def grouped_sum(x_NM: torch.Tensor, counts, offsets: torch.Tensor | None = None)
     The Triton kernel runs where `kernels.backend.use_triton` says (CUDA tensors; MOE_KERNELS=triton
     forces it, on the CPU in the interpreter), reading the offsets on the device; elsewhere torch's
     segment_reduce, to which padding rows are one more segment that is cut off. (MOE_GROUPED_GEMM
-    chooses the products' backend, not this one.) On an NVIDIA H200 the segment_reduce of a
-    GPT's expert bias gradients ([16384, 1024] and [16384, 512] bf16, 8 experts) took 0.29 ms a call,
-    more than the layer's four grouped GEMMs together.
+    chooses the products' backend, not this one.) On a GPU the kernel replaces segment_reduce, which
+    can take longer than the layer's grouped GEMMs together.
 
     Args:
         x_NM: packed rows, shape [N, M].

@@ -41,7 +41,7 @@ def source_tokens(row_SK: torch.Tensor, num_rows: int) -> torch.Tensor:
     """Inverse map: the token each buffer row comes from, -1 for empty rows; shape [N]."""
     S, K = row_SK.shape
     if cpu_eager(row_SK) and K:
-        token_P = _bags(S, K)[1]  # made once per shape: an integer division per choice cost 80 us at P = 8192
+        token_P = _bags(S, K)[1]  # made once per shape: no integer division per choice and step
     else:
         token_P = torch.arange(row_SK.numel(), device=row_SK.device) // max(K, 1)
     return scatter_kept(row_SK, token_P, num_rows, -1)
@@ -181,9 +181,7 @@ def gather_rows(x_SM: torch.Tensor, token_N: torch.Tensor, scale_N: torch.Tensor
     if (full and scale_N is not None and x_SM.dtype == accumulation_dtype(x_SM.dtype) and num_rows and width
             and cpu.allocator_reuses(num_rows * width * x_SM.element_size())):
         # scaled (fp32, float64): bags of one row with per-sample weights, one pass over the rows where a
-        # gather and a scaling pass took two (the combine's backward in the GPT recipe's MoE layer,
-        # [8192, 128] from [4096, 128]: 0.56 against 0.87 ms in the layer, 2-core AMD EPYC with AVX2);
-        # the same products, a negative zero aside (a bag's sum starts from +0). The bag allocates its
+        # gather and a scaling pass took two (the combine's backward); the same products, a negative zero aside (a bag's sum starts from +0). The bag allocates its
         # own output: only where the allocator reuses memory (larger ones stay in the workspace)
         return F.embedding_bag(token_N, x_SM, _range(num_rows), per_sample_weights=scale_N.to(x_SM.dtype), mode="sum")
     out = cpu.empty((num_rows, width), x_SM.dtype, x_SM.device)
@@ -207,8 +205,7 @@ def combine_rows(buffer_NM: torch.Tensor, row_SK: torch.Tensor, weight_SK: torch
 
     On the CPU in fp32 and float64 the weighted sum is one embedding_bag call (bags of K rows with
     per-choice weights, a dropped choice weighted 0): in fp32 the same bits as the gathers per
-    choice (in float64 within an ulp: its products round differently), 2.4x faster (0.15 against 0.36 ms at S = 4096, K = 2, M = 128; 2.6 against 6.3 ms at
-    S = 8192, M = 512, 2-core AMD EPYC).
+    choice (in float64 within an ulp: its products round differently), in one pass over the rows.
     """
     buffer_NM = buffer_NM.contiguous()
     if use_triton(buffer_NM):
@@ -262,7 +259,6 @@ def row_dots(grad_SM: torch.Tensor, buffer_NM: torch.Tensor, row_SK: torch.Tenso
     if g_NM is None:
         g_NM = gather_rows(grad_SM, source_tokens(row_SK, num_rows), None)
     # products into the workspace, then a sum along rows: faster than a batched [1, M] x [M, 1] product
-    # (0.18 against 0.38 ms at N = 8192, M = 128; 5.3 against 7.4 ms at N = 20480, M = 512, 2-core AMD EPYC)
     products_NM = cpu.empty(g_NM.shape, acc_dtype, g_NM.device)
     if g_NM.dtype == acc_dtype:
         torch.mul(g_NM, buffer_NM, out=products_NM)
@@ -302,9 +298,8 @@ def _bag_dots(grad_SM: torch.Tensor, buffer_NM: torch.Tensor, row_SK: torch.Tens
     """row_dots on the CPU in fp32 and float64: the per-sample-weight gradient of an embedding bag (bag s
     is token s, its samples the buffer rows of its choices), one BLAS dot per choice in one pass.
 
-    The products-then-sum form writes and reads back an [N, M] temporary; inside the GPT recipe's MoE
-    layer (S = 4096, K = 2, M = 128, 2-core AMD EPYC with AVX2) this made forward and backward 0.4-0.6 ms
-    faster (medians of 60 alternating calls in one process). The same dots summed in another order.
+    The products-then-sum form writes and reads back an [N, M] temporary, which this avoids. The same
+    dots summed in another order.
     """
     S, K = row_SK.shape
     kept_SK = row_SK >= 0
@@ -322,8 +317,8 @@ def _row_chunks(t: torch.Tensor, n_rows: int) -> list[slice]:
     """Rows [0, n_rows) of a computation on `t`'s device in chunks of about 1 MiB of fp32 (CPU, eager),
     else in one piece (a GPU wants few large ops; a compiled graph, no loop over a symbolic size).
 
-    On the CPU half-precision rows are widened a chunk at a time: widening [16384, 512] bf16 whole took
-    8.7 ms (32 MiB of fresh pages, faulted in every step), into reused memory 1.0 ms (2-core AMD EPYC).
+    On the CPU half-precision rows are widened a chunk at a time into reused memory: widened whole, they
+    would fault in fresh pages every step.
     """
     if t.device.type != "cpu" or torch.compiler.is_compiling():
         return [slice(0, n_rows)]
