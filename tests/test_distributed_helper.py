@@ -33,6 +33,7 @@ def test_ranks_see_the_environment_as_it_is_at_each_call(monkeypatch):
         run_distributed(_check_environment, 2, "second")
 
 
+@pytest.mark.slow
 def test_a_variable_the_caller_removed_is_gone_from_ranks_forked_later():
     # a fresh interpreter, so that its fork server certainly starts while the variable is set
     script = textwrap.dedent("""
@@ -59,6 +60,7 @@ def _check_seen_at_import(rank, world_size, expected):
     assert _AT_IMPORT == expected, (_AT_IMPORT, expected)
 
 
+@pytest.mark.slow
 def test_fresh_ranks_import_under_the_callers_environment(monkeypatch):
     monkeypatch.delenv("MOE_HELPER_AT_IMPORT", raising=False)
     run_distributed(_noop, 2)  # the fork server (on Linux) has started without the variable
@@ -100,6 +102,7 @@ def _hang_on_rank_1(rank, world_size):
         time.sleep(600)  # terminated by the helper
 
 
+@pytest.mark.slow
 def test_a_hanging_rank_fails_within_the_timeout():
     start = time.perf_counter()
     run_distributed(_noop, 2)

@@ -131,6 +131,7 @@ def test_the_cycle_finder_sees_a_cycle_through_a_function_level_import(tmp_path)
     assert _cycle(graph) == ["pkg.a", "pkg.b", "pkg.a"]
 
 
+@pytest.mark.slow
 def test_a_cpu_install_needs_no_triton():
     """triton is only in extras (torch's CUDA builds bring their own), and the CPU path runs with it unimportable."""
     try:  # the project file itself (an installed copy's metadata may be older than the checkout)
@@ -160,6 +161,7 @@ def test_a_cpu_install_needs_no_triton():
     assert done.returncode == 0 and "stepped 1" in done.stdout, done.stderr[-2000:]
 
 
+@pytest.mark.slow
 def test_importing_the_project_leaves_dynamo_and_dcp_unimported():
     """`import moe` (and the rest) costs what `import torch` costs: torch._dynamo (2.6 s) and
     torch.distributed.checkpoint (1.2 s on a 2-core AMD EPYC) load only when a compile or a checkpoint

@@ -59,6 +59,7 @@ def sum_backend(request, monkeypatch):
     return request.param
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("counts,M", [([5, 0, 40, 3], 24), ([8, 8], 16), ([0, 0, 1], 7), ([300], 130), ([0, 0], 9)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_grouped_sum_matches_reference_and_leaves_padding_rows_out(counts, M, dtype, sum_backend):
@@ -83,6 +84,7 @@ def test_grouped_sum_keeps_float64_and_takes_list_counts():
     torch.testing.assert_close(out, torch.stack([x[:4].sum(0), x.new_zeros(5), x[4:].sum(0)]), rtol=0, atol=1e-12)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_compiled_weight_gradient_reaches_torchs_kernel_through_the_opaque_op(dtype, monkeypatch):
     """Compiled, a^T goes to torch's grouped GEMM inside a custom op (Inductor would otherwise copy the

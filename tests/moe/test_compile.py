@@ -75,12 +75,14 @@ def _compare(expert_layout: str, backend, fullgraph: bool | None = None):
     return _run(layers, compiled, x_SM), eager
 
 
+@pytest.mark.slow
 @mock.patch.object(torch._inductor.config, "fallback_random", True)
 def test_padded_fullgraph_inductor_matches_eager():
     compiled, eager = _compare("padded", "inductor")
     _assert_same(compiled, eager)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("expert_layout", ["packed", "grouped"])
 @mock.patch.object(torch._dynamo.config, "nested_graph_breaks", True)
 def test_packed_and_grouped_break_once_per_layer(expert_layout):
@@ -100,6 +102,7 @@ def test_packed_and_grouped_break_once_per_layer(expert_layout):
     assert 3 <= len(graphs) <= 4
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("expert_layout", ["packed", "grouped"])
 @mock.patch.object(torch._dynamo.config, "capture_scalar_outputs", True)
 def test_packed_and_grouped_compile_whole_with_symbolic_counts(expert_layout):

@@ -279,6 +279,7 @@ def test_layer_on_triton_kernels_equals_torch_path(compute, monkeypatch):
         torch.testing.assert_close(g, g2, **FP32)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dropless", [True, False])  # dropping: a fixed-size buffer ending in padding rows
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("gemm", ["torch", "triton", "loop"])

@@ -86,6 +86,7 @@ def _built_before_the_group(rank, world, expert_init, join):
 
 @pytest.mark.parametrize("expert_init, join", [("per_expert_seed", "initialize"), ("per_expert_seed", "forward"),
                                                ("copy", "initialize")])
+@pytest.mark.slow
 def test_a_layer_built_before_init_distributed_gets_its_groups_later(expert_init, join):
     run_distributed(_built_before_the_group, 2, expert_init, join, timeout_s=120)
 

@@ -82,6 +82,7 @@ def _check_groups_and_unused(rank, world, expected, stage, accumulation):
                                            msg=lambda m: f"stage {stage} bucket {bucket_size} overlap {overlap} {name}: {m}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage,accumulation", [(2, 1), (0, 2), (1, 2), (1, 1)])
 def test_two_param_groups_and_a_layer_unused_on_one_rank_equal_one_process(stage, accumulation):
     run_distributed(_check_groups_and_unused, 2, _reference(2, accumulation=accumulation), stage, accumulation,
@@ -102,6 +103,7 @@ def _check_second_backward(rank, world, expected, stage):
                 torch.testing.assert_close(state[name], value, **FP32, msg=lambda m: f"stage {stage} {name}: {m}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", [0, 1, 2])
 def test_two_backwards_per_micro_batch_with_accumulation_on_two_ranks(stage):
     run_distributed(_check_second_backward, 2, _reference(2, backwards=2, accumulation=2, skip=False), stage,

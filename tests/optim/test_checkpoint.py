@@ -82,6 +82,7 @@ def _set_lr(optimizer, lr):
         group["lr"] = lr
 
 
+@pytest.mark.slow
 def test_resume_and_reshard(tmp_path):
     folder = str(tmp_path)
     run_distributed(_save_then_continue, 4, folder, timeout_s=300)
@@ -202,6 +203,7 @@ def _evaluate_then_save(rank, world, folder, grad_mode):
         assert all(torch.isfinite(v).all() for v in state.values())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world, grad_mode", [(2, False), (4, False), (2, True)])
 def test_stage3_saves_after_an_evaluation_pass(tmp_path, world, grad_mode):
     run_distributed(_evaluate_then_save, world, str(tmp_path), grad_mode, timeout_s=90)
@@ -222,6 +224,7 @@ def _replace_then_train(rank, world, folder, how):
         torch.save(state, os.path.join(folder, f"{how}.pt"))
 
 
+@pytest.mark.slow
 def test_stage3_optimizer_follows_parameters_whose_storage_was_replaced(tmp_path):
     """The optimizer steps on fully_shard's local shards: after load_state_dict(assign=True) or a dtype
     round trip gave them new storage, training goes on exactly as without it."""
@@ -340,6 +343,7 @@ def _stage3_at_ep2_against_stage2(rank, world, folder):
                 _assert_states_close(after, going_on, f"{kind}, saved at stage {saved}, next step at stage {loaded}")
 
 
+@pytest.mark.slow
 def test_stage3_at_ep2_resumes_a_stage2_checkpoint_and_the_reverse(tmp_path):
     run_distributed(_stage3_at_ep2_against_stage2, 2, str(tmp_path), timeout_s=180)
 
@@ -416,6 +420,7 @@ def _sharded_save(rank, world, folder, stage):
         assert split, "no parameter was written by both ranks"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", [2, 3])
 def test_each_rank_writes_and_reads_only_its_share(tmp_path, stage):
     """Saving and loading at world 2 allocate no more than one parameter beyond the model (measured by
@@ -427,6 +432,7 @@ class _Crash(Exception):
     pass
 
 
+@pytest.mark.slow
 def test_a_save_stopped_at_any_point_leaves_the_previous_or_the_new_checkpoint(tmp_path, monkeypatch):
     """Every file-system step of a save (DCP's writes, meta.pt, the manifest, fsyncs, the renames, the
     removal of the replaced folder, `latest`) fails in turn, as a process killed there would stop; a fresh engine then loads the folder and

@@ -25,6 +25,7 @@ def _save_each_layout(rank, world, folder):
                 assert os.path.isdir(path)
 
 
+@pytest.mark.slow
 def test_consolidate_equals_the_engines_view_at_every_layout(tmp_path, capsys):
     run_distributed(_save_each_layout, 2, str(tmp_path), timeout_s=300)
     names = set(Net(dense_width=4).state_dict())

@@ -146,6 +146,7 @@ def _check_norm_two_ranks(rank, world):
     torch.testing.assert_close(norms[1:], _reference_norms(world, 2), rtol=1e-5, atol=0)
 
 
+@pytest.mark.slow
 def test_global_grad_norm_over_two_ranks_with_expert_parallelism():
     run_distributed(_check_norm_two_ranks, 2, timeout_s=200)
 

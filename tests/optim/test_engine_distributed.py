@@ -80,6 +80,7 @@ def _check_equivalence(rank, world, ep_size):
                     assert not torch.equal(value, Net(1).state_dict()[name]), f"{name} never moved"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ep_size", [1, 2])
 def test_every_stage_matches_one_process(ep_size):
     run_distributed(_check_equivalence, WORLD, ep_size, timeout_s=400)
@@ -96,6 +97,7 @@ def _check_one_rank_per_expert(rank, world):
                 torch.testing.assert_close(state[name], value, **FP32, msg=lambda m: f"stage {stage} {name}: {m}")
 
 
+@pytest.mark.slow
 def test_one_rank_per_expert_group_matches_one_process():
     run_distributed(_check_one_rank_per_expert, WORLD, timeout_s=300)
 
@@ -139,6 +141,7 @@ def _check_unseeded_copy_init(rank, world):
                 torch.testing.assert_close(stepped[name], after[name], **FP32, msg=lambda m: f"ep {ep_size} step {name}: {m}")
 
 
+@pytest.mark.slow
 def test_unseeded_copy_init_starts_and_steps_as_one_process_at_every_ep_size():
     run_distributed(_check_unseeded_copy_init, WORLD, timeout_s=300)
 
@@ -172,6 +175,7 @@ def _check_bf16(rank, world, stage):
             torch.testing.assert_close(low[name].float(), value, **BF16, msg=lambda m: f"{name}: {m}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", [2, 3])
 def test_bf16_stays_near_fp32(stage):
     run_distributed(_check_bf16, WORLD, stage, timeout_s=400)

@@ -17,6 +17,7 @@ which is checked per part.
 
 import io
 
+import pytest
 import torch
 
 from optim import initialize
@@ -78,6 +79,7 @@ def _check(rank, world):
             assert low["total"] <= 0.6 * mixed["total"], (stage, low["total"], mixed["total"])
 
 
+@pytest.mark.slow
 def test_memory_breakdown_accounting_matches_zero_formula():
     run_distributed(_check, WORLD, timeout_s=400)
 

@@ -29,6 +29,7 @@ CLASSES = sorted(name for name, cls in vars(torch.optim).items()
                  and "lr" in inspect.signature(cls.__init__).parameters and name not in REFUSED | {"Muon"})
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", CLASSES)
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_every_torch_optimizer_steps_as_without_the_engine(name, stage):
@@ -268,6 +269,7 @@ def _distributed_client(rank, world, stage, name, ep_size):
 # experts per rank) its update differs from one process's by design, not by the engine
 @pytest.mark.parametrize("stage,name,ep_size", [(1, "Adagrad", 2), (2, "AdamW", 2), (3, "RMSprop", 2),
                                                 (0, "Adafactor", 1)])
+@pytest.mark.slow
 def test_client_optimizer_on_two_ranks(stage, name, ep_size):
     run_distributed(_distributed_client, 2, stage, name, ep_size, timeout_s=180)
 
@@ -300,6 +302,7 @@ def _pre_stepped(rank, world, stage):
             torch.testing.assert_close(state[key], expected, rtol=RTOL, atol=ATOL, msg=key)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_state_held_before_initialize_is_sharded_on_two_ranks(stage):
     run_distributed(_pre_stepped, 2, stage, timeout_s=180)

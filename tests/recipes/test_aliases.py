@@ -34,6 +34,7 @@ def test_an_unknown_name_stays_unknown():
         importlib.import_module("recipes.bench_nothing")
 
 
+@pytest.mark.slow
 def test_python_m_alias_runs_the_module_as_main_without_a_warning():
     # runpy as `python -m` runs it, every alias in one process (one torch import); bench.moe by `-m` itself below
     code = ("import runpy, sys\n"

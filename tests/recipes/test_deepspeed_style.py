@@ -37,6 +37,7 @@ def _run(tmp_path, world: int, ep: int) -> list[dict]:
     return sorted(reports, key=lambda r: r["global_rank"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world, ep", [(1, 1), (2, 2)])
 def test_a_deepspeed_style_script_runs_with_renamed_imports(tmp_path, world, ep):
     reports = _run(tmp_path, world, ep)
@@ -82,6 +83,7 @@ def _run_client_style(tmp_path, world: int) -> dict:
     return json.loads((out / "losses.json").read_text())
 
 
+@pytest.mark.slow
 def test_a_script_with_its_own_adamw_its_model_built_first_and_comment_keys_runs_unchanged(tmp_path):
     """The model is built before init_distributed (its MoE layer with ep_size 2 under torchrun), the
     script's AdamW is passed to initialize, the JSON has comment keys; one process and two ranks with

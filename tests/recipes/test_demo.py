@@ -9,11 +9,13 @@ import pytest
 from recipes import demo
 
 
+@pytest.mark.slow
 def test_demo_trains_and_the_moe_beats_its_dense_twin():
     result = demo.main(["--steps", "400", "--batch", "256", "--log-interval", "50"])
     assert result["moe"] < result["dense"]
 
 
+@pytest.mark.slow
 def test_demo_under_torchrun_with_expert_parallelism(tmp_path):
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                "-m", "recipes.demo", "--experts", "4", "--ep-world-size", "2", "--steps", "20", "--log-interval", "10"]

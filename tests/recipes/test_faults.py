@@ -49,6 +49,7 @@ def test_another_models_checkpoint_is_refused_in_one_line(saved_run, flags, mess
     assert re.search(message, lines[0]), lines[0]
 
 
+@pytest.mark.slow
 def test_another_models_checkpoint_is_refused_in_one_line_on_every_rank_under_torchrun(saved_run):
     done = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "recipes.gpt",
@@ -62,6 +63,7 @@ def test_another_models_checkpoint_is_refused_in_one_line_on_every_rank_under_to
     assert done.returncode != 0
 
 
+@pytest.mark.slow
 def test_a_step_that_overflows_the_weights_stops_before_its_checkpoint(tmp_path, capsys):
     """--lr 3e38 (finite in fp32) with one warm-up step: the step writes inf from finite gradients."""
     folder = tmp_path / "ckpt"
@@ -125,6 +127,7 @@ def test_nonfinite_off_reads_nothing_and_saves_what_it_has(tmp_path):
     assert (tmp_path / "as_asked").is_dir() and not math.isfinite(float(model.inp.weight.detach().abs().max()))
 
 
+@pytest.mark.slow
 def test_a_lock_left_by_an_ended_process_or_agent_is_taken_over_with_a_warning(tmp_path):
     import socket
 
@@ -154,6 +157,7 @@ def test_a_lock_left_by_an_ended_process_or_agent_is_taken_over_with_a_warning(t
         alive.wait()
 
 
+@pytest.mark.slow
 def test_a_restart_of_a_refused_attempt_is_refused_again(saved_run):
     """An earlier run in the folder and no --resume: torchrun's restart must not quietly continue it."""
     before = (saved_run / "ckpt" / "latest").read_text()
@@ -166,6 +170,7 @@ def test_a_restart_of_a_refused_attempt_is_refused_again(saved_run):
     assert "torchrun restart" not in done.stdout and (saved_run / "ckpt" / "latest").read_text() == before
 
 
+@pytest.mark.slow
 def test_workers_end_with_their_torchrun_agent_and_release_the_folder(tmp_path):
     """SIGKILL to torchrun's agent: its workers (detached from its process group) notice, stop, release the lock."""
     import os

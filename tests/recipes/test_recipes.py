@@ -47,6 +47,7 @@ def _logged_losses(text: str) -> dict[int, float]:
     return {int(step): float(loss) for step, loss in re.findall(r"step (\d+)/\d+ .*?loss ([0-9.]+)", text)}
 
 
+@pytest.mark.slow
 def test_gpt_trains_logs_every_statistic_and_resumes_exactly(tmp_path, capsys):
     args = GPT_TINY + ["--steps", "40", "--eval-interval", "20", "--log-interval", "10", "--log-dir", str(tmp_path),
                        "--run-name", "run", "--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-interval", "20"]
@@ -92,6 +93,7 @@ def _numbers(pattern: str, text: str) -> list[float]:
     return [float(x.replace(",", "")) for x in re.findall(pattern, text, re.MULTILINE)]
 
 
+@pytest.mark.slow
 def test_cifar_trains_logs_and_resumes_exactly(tmp_path, capsys):
     args = CIFAR_TINY + ["--log-dir", str(tmp_path), "--run-name", "run", "--checkpoint-dir", str(tmp_path / "ckpt")]
     straight = cifar.main(args + ["--epochs", "2"])
@@ -119,6 +121,7 @@ def test_cifar_trains_logs_and_resumes_exactly(tmp_path, capsys):
         assert again[key] == pytest.approx(second[key], rel=RTOL), key
 
 
+@pytest.mark.slow
 def test_cifar_without_its_files_says_what_to_pass_and_trains_on_the_synthetic_set(tmp_path, capsys):
     _write_cifar_batches(tmp_path)
     (tmp_path / "data_batch_3").unlink()
@@ -169,6 +172,7 @@ def _torchrun(module: str, *args: str) -> subprocess.CompletedProcess:
     return done
 
 
+@pytest.mark.slow
 def test_gpt_under_torchrun_with_expert_parallelism_resumes(tmp_path, capsys):
     args = GPT_TINY + ["--ep-world-size", "2", "--stage", "3", "--steps", "30", "--eval-interval", "15",
                        "--log-interval", "5", "--log-dir", str(tmp_path), "--run-name", "run",
@@ -199,6 +203,7 @@ def test_gpt_under_torchrun_with_expert_parallelism_resumes(tmp_path, capsys):
     assert [s for s, _ in alone["history"]["train"]] == list(range(16, 31))
 
 
+@pytest.mark.slow
 def test_cifar_under_torchrun_with_expert_parallelism(tmp_path):
     args = CIFAR_TINY + ["--num-experts", "2", "4", "--ep-world-size", "2", "--stage", "1", "--epochs", "2",
                          "--config", str(CIFAR_JSON),
@@ -268,6 +273,7 @@ def test_the_noisy_gate_policy_flag_reaches_every_gate(flag, policy):
         assert len(gates) == layers and all(g.config.noisy_gate_policy == policy for g in gates)
 
 
+@pytest.mark.slow
 def test_a_bad_engine_config_file_stops_with_one_line(tmp_path):
     config = tmp_path / "engine.json"
     config.write_text('{"zero_optimization": {"stage": 7}}')
@@ -295,6 +301,7 @@ def test_the_comparison_writes_its_table(tmp_path):
         assert tokens_per_s == pytest.approx(row["tokens_per_s"], abs=0.51)
 
 
+@pytest.mark.slow
 def test_gpt_compile_flag_compiles_the_model_in_place(tmp_path, monkeypatch):
     # the eager backend: dynamo traces the model (graph breaks, guards) without Inductor's C++ build,
     # which would take minutes here; tests/moe/test_compile.py covers Inductor itself
@@ -569,6 +576,7 @@ def uninterrupted(tmp_path_factory):
     return folder, _logged_losses(_torchrun("recipes.gpt", *RESTARTED, "--checkpoint-dir", str(folder / "ckpt")).stdout)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("die_at, resumed_from", [("save:20", 10), ("step:25", 20)])
 def test_torchrun_restarts_a_run_that_lost_a_rank_and_it_ends_as_if_never_interrupted(tmp_path, uninterrupted,
                                                                                        die_at, resumed_from):

@@ -51,6 +51,7 @@ def _gpt_step(monkeypatch, world, ep, stage, method, compute, **extra):
         return log, [r for r in log.reads.reads if r in ("counts", "exchange", "pair exchange")], cfg.n_layer // cfg.moe_every
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", sorted(METHODS))
 @pytest.mark.parametrize("world, ep, stage", [(8, 2, 3), (64, 8, 2)])
 def test_gpt_step_padded_reads_nothing(monkeypatch, method, world, ep, stage):
@@ -65,6 +66,7 @@ def test_gpt_step_grouped_under_expert_parallelism_reads_once_per_layer(monkeypa
     assert reads == ["exchange"] * moe_layers
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["groups", "expert-choice", "sigmoid-bias"])
 @pytest.mark.parametrize("compute", ["grouped", "packed"])
 def test_gpt_step_per_rank_exchange_reads_once_per_layer(monkeypatch, method, compute):
@@ -80,6 +82,7 @@ def cuda_branches(monkeypatch):
     monkeypatch.delenv("MOE_SYNC_CHECKS", raising=False)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", sorted(METHODS))
 @pytest.mark.parametrize("compute", ["padded", "grouped"])
 def test_layer_makes_no_host_sync(cuda_branches, method, compute):

@@ -41,6 +41,7 @@ def cuda_branches(monkeypatch):
     monkeypatch.delenv("MOE_SYNC_CHECKS", raising=False)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("k_kwargs", [dict(), dict(noisy_gate_policy="RSample"), dict(top2_2nd_expert_sampling=False)])
 def test_gate_and_padded_layout_make_no_sync(cuda_branches, k_kwargs):
     assert _count(_layer("padded", **k_kwargs)) == []
@@ -52,6 +53,7 @@ def test_gate_and_padded_layout_make_no_sync(cuda_branches, k_kwargs):
     assert _count(top3) == []
 
 
+@pytest.mark.slow
 def test_grouped_without_expert_parallelism_makes_no_sync(cuda_branches):
     assert _count(_layer("grouped")) == []
     assert _count(_layer("grouped", dropless=True)) == []
@@ -96,6 +98,7 @@ def _expert_parallel_syncs(rank, world_size):
             assert syncs == ["tolist"], (compute, kwargs, syncs)
 
 
+@pytest.mark.slow
 def test_expert_parallel_layouts_make_one_sync_per_layer(monkeypatch):
     # Triton's own @jit helpers (tl.zeros, ...) are interpreted or compiled as TRITON_INTERPRET was at
     # `import triton`: ranks in fresh interpreters import it with the variable set, also on a GPU

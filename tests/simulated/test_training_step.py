@@ -44,6 +44,7 @@ def _gpt_step(monkeypatch, world, ep, stage, dtype, layout, rank):
         return log, layout_reads, log.reads.count("overflow flag"), moe_layers
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world, ep", [(8, 1), (8, 2), (8, 8), (64, 8)])
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 @pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16"])
@@ -59,6 +60,7 @@ def test_gpt_step_padded(monkeypatch, world, ep, stage, dtype):
         assert log.count("reduce") > 0 and log.count("reduce_scatter_single") == 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", ["grouped", "packed", "dropless"])
 @pytest.mark.parametrize("world, ep", [(8, 1), (8, 2), (8, 8), (64, 8)])
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
@@ -90,6 +92,7 @@ def _cifar_step(monkeypatch, world, ep, stage, dtype, rank):
         return log
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world, ep", [(8, 1), (8, 2), (8, 8), (64, 8)])
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 @pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16"])

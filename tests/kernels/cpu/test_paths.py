@@ -6,9 +6,12 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parents[3]
 
 
+@pytest.mark.slow
 def test_the_old_paths_are_the_cpu_packages_modules():
     """`import kernels.gemm` (then its attributes), `from kernels.threads import ...` and `from kernels
     import workspace` reach kernels.cpu's modules, in a fresh process."""

@@ -81,11 +81,13 @@ def _check_all(rank, world, configs):
             raise AssertionError(f"world {world}, ep {ep_size}, top-{k}, {layout}: {error}") from error
 
 
+@pytest.mark.slow
 def test_world_4_every_ep_size_top1_top2_capacity_and_dropless():
     configs = [(ep, k, layout) for ep in (1, 2, 4) for k in (1, 2) for layout in ("padded", "packed", "dropless")]
     run_distributed(_check_all, 4, configs)
 
 
+@pytest.mark.slow
 def test_world_2_ep_2():
     run_distributed(_check_all, 2, [(2, k, layout) for k in (1, 2) for layout in ("padded", "dropless")])
 
@@ -148,6 +150,7 @@ def _weights_at_every_ep_size(rank, world):
                         f"{kind}: ep {ep_size} rank {rank} expert {first + local} differs from ep 1"
 
 
+@pytest.mark.slow
 def test_per_expert_seed_weights_are_the_same_at_ep_1_2_and_4():
     run_distributed(_weights_at_every_ep_size, 4, timeout_s=90)
 
@@ -196,6 +199,7 @@ def _check_every_dispatcher(rank, world, ep_size):
             _check_expert_parallel(rank, world, ep_size, name, case)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world, ep_size", [(2, 2), (4, 2), (4, 4)])
 def test_expert_parallel_dispatchers_equal_the_reference(world, ep_size):
     run_distributed(_check_every_dispatcher, world, ep_size)

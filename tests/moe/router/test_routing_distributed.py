@@ -26,6 +26,7 @@ import contextlib
 import functools
 import os
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -238,6 +239,7 @@ def _check_layers_and_counts(rank, world, layer_configs, count_configs, expected
             raise AssertionError(f"part 2, world {world}, ep {ep_size}, {name}, {layout}: {error}") from error
 
 
+@pytest.mark.slow
 def test_routers_and_step_counts_equal_one_process_at_every_ep_size():
     """Parts 1 and 2 in one spawn."""
     layer_configs = [(ep, layout, name) for ep in (1, 2, 4) for name in ROUTERS
@@ -374,6 +376,7 @@ def _check_engines(rank, world, stages, expected, folder):
             raise AssertionError(f"part 3, world {world}, ep 2, stage {stage}: {error}") from error
 
 
+@pytest.mark.slow
 def test_engine_keeps_one_expert_bias_equal_to_one_process_and_resumes_it(tmp_path):
     """Parts 3 and 4 (world 4) in one spawn: stages 0, 2 and 3; stages 2 and 3 also save and resume."""
     run_distributed(_check_engines, WORLD, (0, 2, 3), _engine_reference(), str(tmp_path), timeout_s=300)

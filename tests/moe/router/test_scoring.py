@@ -58,6 +58,7 @@ print(hashlib.sha256(expert_softmax(torch.randn(4099, 8) * 3).numpy().tobytes())
 """
 
 
+@pytest.mark.slow
 def test_expert_softmax_gives_the_same_bits_with_avx2_kernels():
     # torch picks AVX-512, AVX2 or scalar kernels by the CPU (ATEN_CPU_CAPABILITY forces a lower one); on
     # an AVX-512 CPU this compares the two kernels, which give F.softmax of 8 experts different last bits
