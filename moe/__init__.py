@@ -27,4 +27,3 @@ __all__ = [
     "split_params_into_different_moe_groups_for_optimizer", "top1gating", "top2gating", "topkgating",
     "update_routing",
 ]
-

@@ -57,8 +57,8 @@ class MOELayer(nn.Module):
         exchange: under expert parallelism, "per_choice" sends a token once per choice, "per_rank" once
             per destination rank (moe.dispatch.per_rank; packed or grouped layouts).
 
-    The dispatcher for each resolved layout is made once and kept (`dispatcher(device, dtype)`); a
-    new expert-parallel group replaces them.
+    The dispatcher for each resolved layout is made at its first forward and kept (`dispatcher(device,
+    dtype)`); a new expert-parallel group replaces them.
     """
 
     def __init__(self, gate: TopKGate, experts: Experts, ep_group_name: str, ep_size: int, num_local_experts: int,
@@ -89,12 +89,19 @@ class MOELayer(nn.Module):
     @ep_group.setter
     def ep_group(self, group) -> None:
         self._ep_group = group
-        self._dispatchers: dict[str, Dispatcher] = {}  # made again for the new group
+        self._dispatchers: dict[tuple, Dispatcher] = {}  # made again for the new group
+
+    def __getstate__(self):
+        """Pickled and deep-copied without the last forward's plan and losses: they hold the forward's graph
+        and the plan's capacity resolver (a closure), which neither copies."""
+        state = self.__dict__.copy()
+        state.update(routing=None, l_aux=None, exp_counts=None, z_loss=None)
+        return state
 
     def _layout(self, device: torch.device, dtype: torch.dtype) -> str:
         """The expert layout for a forward on `device` with inputs of `dtype`: "auto" resolves by device,
         by dropping and by what torch's grouped GEMM runs. Padded suits small layers on a GPU better
-        than grouped (see docs/results.md), hence bf16 and torch's grouped GEMM only."""
+        than grouped (see the README's GPU figures), hence bf16 and torch's grouped GEMM only."""
         if self.expert_layout != "auto":
             return self.expert_layout
         if device.type == "cpu":
@@ -111,11 +118,14 @@ class MOELayer(nn.Module):
     def dispatcher(self, device: torch.device, dtype: torch.dtype) -> Dispatcher:
         """The dispatcher for a forward on `device` with inputs of `dtype`."""
         layout = self._layout(device, dtype)
-        if layout not in self._dispatchers:
-            self._dispatchers[layout] = make_dispatcher(
-                layout, self.exchange, self.ep_size, self.ep_group, measured=self.expert_layout == "auto",
-                stacked=self.experts.stacked, equal_tokens=self.gate.config.drop_tokens)
-        return self._dispatchers[layout]
+        # every setting the choice reads is in the key: one changed after a forward makes a new dispatcher
+        key = (layout, self.exchange, self.ep_size, self.expert_layout == "auto", self.experts.stacked,
+               self.gate.config.drop_tokens)
+        if key not in self._dispatchers:
+            self._dispatchers[key] = make_dispatcher(
+                layout, self.exchange, self.ep_size, self.ep_group, measured=key[3], stacked=key[4],
+                equal_tokens=key[5])
+        return self._dispatchers[key]
 
     def forward(self, x_SM: torch.Tensor, used_token: torch.Tensor | None = None, seq_len: int | None = None
                 ) -> torch.Tensor:

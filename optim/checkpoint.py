@@ -56,7 +56,8 @@ def register_extra_state(name: str, get, put) -> None:
 
     Saving stores get() of every rank, a list by rank; loading calls put() with the entry of the rank
     this one continues (its rank modulo the saving world size), and skips an entry the checkpoint does
-    not have or that is empty. The values must be what torch.load(weights_only=True) reads back.
+    not have or that is empty. The values must be what torch.load(weights_only=True) reads back. Saving
+    gathers each entry over the ranks, so every rank registers the same names in the same order.
 
     Args:
         name: the entry's key in `meta.pt`; registering a name again replaces its functions.

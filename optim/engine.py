@@ -99,7 +99,7 @@ class Engine:
             follow_split(client, self.lr_scheduler, origins, len(user_groups))
         self._report = StepReport(config, self.module, self.device, self.rank)
         self.monitor = self._report.monitor
-        self.last_routing_stats = []  # the last optimizer step's per-layer routing (optim.LayerStats), with TensorBoard
+        self.last_routing_stats = []  # the last optimizer step's per-layer routing (optim.monitor.LayerStats), with TensorBoard
         # Routers that keep state across steps (an expert bias, the step's counts) advance after each step:
         # any module with an update_routing(skipped=...) method (the MoE layer's gate has one).
         self._routers = [m for m in self.module.modules() if callable(getattr(m, "update_routing", None))]

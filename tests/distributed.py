@@ -2,8 +2,8 @@
 
 On Linux, ranks start from a fork server that has imported torch and the project once
 (multiprocessing's "forkserver" context; "spawn" elsewhere, where forking a process that imported
-torch is not safe): a no-op run on 2 ranks took 0.06 s against 2.6 s with a fresh interpreter per
-rank, and tests/optim/test_buckets.py 10 s against 53 s, on a 2-core AMD EPYC. The fork server is a
+torch is not safe): a rank then starts in a fraction of the time a fresh interpreter takes to import
+torch. The fork server is a
 clean single-threaded process, so forking it is safe where forking the test process (with its
 OpenMP threads) would not be. Each rank takes the caller's environment as it is at the call and a
 fresh random seed, as a spawned process would. What differs from spawn: settings read when a library
@@ -33,7 +33,7 @@ def _free_port() -> int:
 # imported once by the fork server, before it forks any rank: torch and the packages under test, which
 # read their settings (MOE_* variables) when called, never when imported, and what the packages import
 # only when used (DCP for checkpoints, torch._dynamo which it reaches): without them every rank of a
-# checkpoint test imported them anew, and tests/optim/test_checkpoint.py took 67 s against 29 s
+# checkpoint test would import them anew
 _PRELOAD = ["torch", "torch.distributed", "torch.multiprocessing", "kernels", "parallel", "moe", "optim",
             "torch.distributed.checkpoint", "torch._dynamo"]
 

@@ -163,9 +163,9 @@ def test_a_cpu_install_needs_no_triton():
 
 @pytest.mark.slow
 def test_importing_the_project_leaves_dynamo_and_dcp_unimported():
-    """`import moe` (and the rest) costs what `import torch` costs: torch._dynamo (2.6 s) and
-    torch.distributed.checkpoint (1.2 s on a 2-core AMD EPYC) load only when a compile or a checkpoint
-    needs them; every rank of a torchrun job pays an import."""
+    """`import moe` (and the rest) costs what `import torch` costs: torch._dynamo and
+    torch.distributed.checkpoint, slow to import, load only when a compile or a checkpoint needs them;
+    every rank of a torchrun job pays an import."""
     code = ("import sys, moe, optim, parallel, kernels, recipes.gpt, recipes.cifar\n"
             "print(sorted(m for m in ('torch._dynamo', 'torch.distributed.checkpoint') if m in sys.modules))\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)

@@ -14,7 +14,7 @@
 
 None of it changes results: every choice is measured once per shape class and kept for the process,
 workers run each item on one thread whichever worker takes it, and pooled memory is handed out only
-when no tensor uses it. Nothing here runs on other devices or under torch.compile.
+when no tensor uses it. On other devices and under torch.compile each call is the plain torch one.
 """
 
 from kernels.cpu import choices, gemm, threads, workspace

@@ -32,7 +32,8 @@ class TokenRows:
     """Where each (token, choice) sits in this rank's dispatch buffer.
 
     Args:
-        row_SK: int64 buffer row per (token, choice), shape [S, K], -1 where dropped.
+        row_SK: int64 buffer row per (token, choice), shape [S, K], -1 where dropped (the per-rank
+            exchange keeps its send row per (token, destination rank) here, [S, R]).
         weight_SK: the combine weight per (token, choice), shape [S, K].
         token_N: int64 source token per buffer row, -1 for empty rows; made once for the permute and
             reused by the combine's backward (None: the combine finds its own).

@@ -5,8 +5,8 @@ backward. The packed and grouped layouts read the kept counts on the host once p
 sizes): with `torch._dynamo.config.capture_scalar_outputs = True` that read becomes symbolic sizes and
 they compile whole too (fullgraph); otherwise it is their one graph break per layer (counted with
 `nested_graph_breaks`; by default dynamo also breaks each enclosing frame at the call). They are
-compiled with the aot_eager backend (traced forward and backward, no code generation), because Inductor's C++ compilation takes about a minute per case
-on a 2-core CPU. Training mode throughout; random token selection and second-expert sampling stay on,
+compiled with the aot_eager backend (traced forward and backward, no code generation), because Inductor's C++ compilation is slow
+on a small CPU. Training mode throughout; random token selection and second-expert sampling stay on,
 with the same seed for both runs and Inductor's `fallback_random` so that it draws eager's numbers.
 Tolerance fp32 1e-5: Inductor may fuse and reorder sums (the gate's softmax and mean, the bias
 gradients), which moves results by a few ulps.

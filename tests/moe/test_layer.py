@@ -7,6 +7,7 @@ parameters in tests/parallel/test_param_groups.py.
 """
 
 import copy
+import io
 
 import pytest
 import torch
@@ -399,3 +400,21 @@ def test_eval_routes_fewer_tokens_than_min_capacity_with_nothing_dropped(k, toke
         torch.testing.assert_close(out, _reference(layer, x), **FP32)
         with pytest.raises(ValueError, match=rf"number of tokens \({tokens}\) must be >= min_capacity \(4\)"):
             layer.train()(x)
+
+
+def test_a_layer_that_ran_a_forward_pickles_and_deep_copies():
+    torch.manual_seed(0)
+    layer = MoE(8, _mlp(), num_experts=4, k=2)
+    out, l_aux, _ = layer(torch.randn(12, 8))
+    (out.sum() + l_aux).backward()  # the forward's graph is still referenced by the layer's losses
+    buffer = io.BytesIO()
+    torch.save(layer, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    twin = copy.deepcopy(layer)
+    assert layer.deepspeed_moe.l_aux is not None, "the original keeps its last forward's loss"
+    x = torch.randn(12, 8)
+    for other in (loaded, twin):
+        assert other.deepspeed_moe.l_aux is None and other.routing_stats is None
+        # eval: no gate noise, so two forwards of equal layers are equal
+        torch.testing.assert_close(other.eval()(x)[0], layer.eval()(x)[0], rtol=0, atol=0)
