@@ -13,7 +13,7 @@ import pytest
 import torch
 
 PACKAGES = ("moe", "parallel", "optim", "kernels", "recipes")
-ALLOWED = {  # package -> project packages it may import (STYLE.md)
+ALLOWED = {  # package -> project packages it may import: imports point one way
     "kernels": set(),
     "parallel": set(),
     "moe": {"kernels", "parallel"},
