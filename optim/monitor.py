@@ -30,7 +30,7 @@ from optim.figure import expert_load_figure, load_colours
 
 __all__ = ["LayerStats", "Monitor", "StepReport", "StepStats"]
 
-PICTURE_INTERVAL = 10  # steps between expert-load histograms and heatmaps (scalars: every step)
+PICTURE_INTERVAL = 10  # steps between expert-load histograms and figures (scalars: every step)
 
 
 @dataclass(frozen=True)
