@@ -10,12 +10,14 @@ A module may also have an `expert_bias` attribute ([E] tensor or None, the same 
 range after the step is reported.
 `StepStats` sums them over the micro-batches of an optimizer step and then over all ranks in one
 all-reduce; `Monitor` writes the result on rank 0: scalars, an expert-load histogram per layer and
-an experts x layers heatmap image. `StepReport` is what the engine reports of its steps through
+an experts x layers figure (`optim.figure`), and each expert's load as a scalar, charted per layer in
+TensorBoard's custom scalars. `StepReport` is what the engine reports of its steps through
 them, beside its progress line.
 """
 
 import functools
 import os
+import re
 import time
 from dataclasses import dataclass
 
@@ -24,9 +26,11 @@ import torch.distributed as dist
 from einops import repeat
 from torch import nn
 
+from optim.figure import expert_load_figure, load_colours
+
 __all__ = ["LayerStats", "Monitor", "StepReport", "StepStats"]
 
-PICTURE_INTERVAL = 10  # steps between expert-load histograms and heatmaps (scalars: every step)
+PICTURE_INTERVAL = 10  # steps between expert-load histograms and figures (scalars: every step)
 
 
 @dataclass(frozen=True)
@@ -68,12 +72,17 @@ class LayerStats:
         routed = sum(self._counts[0])
         return 1.0 - sum(self._counts[1]) / routed if routed else 0.0
 
+    @functools.cached_property
+    def loads(self) -> list[float]:
+        """`load` as Python floats (the same values)."""
+        counts = self._counts[0]
+        routed = sum(counts)
+        return [c * (len(counts) / routed) for c in counts] if routed else [1.0] * len(counts)
+
     @property
     def max_load(self) -> float:
         """The largest of `load`: 1.0 when balanced."""
-        counts = self._counts[0]
-        routed = sum(counts)
-        return max(c * (len(counts) / routed) for c in counts) if routed else 1.0
+        return max(self.loads, default=1.0)
 
     @property
     def load(self) -> torch.Tensor:
@@ -166,6 +175,7 @@ class Monitor:
 
         self.log_dir = log_dir
         self.writer = SummaryWriter(log_dir=log_dir)
+        self._charted = False  # the per-expert load charts are laid out once per writer
 
     def scalars(self, step: int, values: dict[str, float]) -> None:
         """One scalar per tag, e.g. {"Val/loss": 1.9, "Train/tokens_per_s": 5e4}, all in one event.
@@ -192,17 +202,19 @@ class Monitor:
         if loss is not None:
             scalars["Train/loss"] = deepspeed["Train/Samples/train_loss"] = loss
         self.scalars(step, {**scalars, **self._routing_scalars(layers)})
+        self._chart_loads(layers)
         self.scalars(samples, deepspeed)
         if layers and (step == 1 or step % PICTURE_INTERVAL == 0):
             self._pictures(step, layers)
 
     def routing(self, step: int, layers: list[LayerStats], pictures: bool = True) -> None:
-        """l_aux, z-loss, dropped fraction and MaxVio (mean over layers and per layer), the expert bias's
-        range where there is one; with `pictures`, also
-        each layer's load histogram and the experts x layers heatmap."""
+        """l_aux, z-loss, dropped fraction and MaxVio (mean over layers and per layer), each expert's load,
+        the expert bias's range where there is one; with `pictures`, also
+        each layer's load histogram and the experts x layers figure."""
         if not layers:
             return
         self.scalars(step, self._routing_scalars(layers))
+        self._chart_loads(layers)
         if pictures:
             self._pictures(step, layers)
 
@@ -221,12 +233,23 @@ class Monitor:
                            f"MoE/{s.name}/max_load": s.max_load, f"MoE/{s.name}/max_vio": vio})
             if s.bias_range is not None:
                 values[f"MoE/{s.name}/bias_min"], values[f"MoE/{s.name}/bias_max"] = s.bias_range
+            values.update({f"MoE/{s.name}/expert_load/{e}": load for e, load in enumerate(s.loads)})
         return values
+
+    def _chart_loads(self, layers: list[LayerStats]) -> None:
+        """One multi-line chart per layer of its experts' loads (TensorBoard's custom scalars): a collapse
+        shows as lines leaving 1.0. The layout is metadata, written once with the first routing."""
+        if self._charted or not layers:
+            return
+        self._charted = True
+        charts = {s.name or "(model)": ["Multiline", [rf"^MoE/{re.escape(s.name)}/expert_load/\d+$"]] for s in layers}
+        self.writer.add_custom_scalars({"MoE expert load (fraction of the mean)": charts})
 
     def _pictures(self, step: int, layers: list[LayerStats]) -> None:
         for s in layers:
             self._load_histogram(step, s)
-        self.writer.add_image("MoE/expert_load", load_heatmap([s.load for s in layers]), step, dataformats="HWC")
+        figure = expert_load_figure([s.name for s in layers], [s.loads for s in layers], step)
+        self.writer.add_image("MoE/expert_load", figure, step, dataformats="HWC")
 
     def _load_histogram(self, step: int, s: LayerStats) -> None:
         """The distribution of routed choices over expert ids: one bucket per expert."""
@@ -327,16 +350,13 @@ def load_heatmap(loads: list[torch.Tensor], cell: int | None = None) -> torch.Te
     """An RGB uint8 image [layers * cell, max E * cell, 3] of expert loads (1.0 = balanced).
 
     White is balanced, red up to twice the mean load or more, blue down to no load; grey pads layers
-    with fewer experts. Cells default to 4-32 pixels, about 512 pixels across.
+    with fewer experts. Cells default to 4-32 pixels, about 512 pixels across. The bare grid: TensorBoard
+    gets it labelled, with a colour bar, from `optim.figure.expert_load_figure`.
     """
     width = max(len(load) for load in loads)
     cell = cell or max(4, min(32, 512 // width))
     image = torch.full((len(loads), width, 3), 128, dtype=torch.uint8)
     for row, load in enumerate(loads):
-        x = (load.double().clamp(0, 2) - 1).unsqueeze(1)  # in [-1, 1]
-        over, under = x.clamp(min=0), (-x).clamp(min=0)
-        white = torch.tensor([1.0, 1.0, 1.0], dtype=torch.float64)
-        colour = white - over * torch.tensor([0.0, 1.0, 1.0]) - under * torch.tensor([1.0, 1.0, 0.0])
-        image[row, :len(load)] = (colour * 255).round().to(torch.uint8)
+        image[row, :len(load)] = torch.from_numpy(load_colours(load.double().numpy()))
     return repeat(image, "h w rgb -> (h dh) (w dw) rgb", dh=cell, dw=cell)  # each load a cell x cell square
 

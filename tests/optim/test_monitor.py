@@ -1,10 +1,13 @@
-"""Routing statistics: what the MoE layer publishes, how a step sums them, how the heatmap colours them."""
+"""Routing statistics: what the MoE layer publishes, how a step sums them, how the heatmap colours them,
+and what TensorBoard gets: the labelled figure and each expert's load."""
 
+import numpy as np
 import torch
 from torch import nn
 
 from moe import MoE
-from optim.monitor import LayerStats, StepStats, load_heatmap
+from optim.figure import BACKGROUND, expert_load_figure, load_colours, text_image
+from optim.monitor import LayerStats, Monitor, StepStats, load_heatmap
 
 
 class FakeLayer(nn.Module):
@@ -137,3 +140,75 @@ def test_engine_advances_the_bias_and_writes_max_vio_and_bias_to_tensorboard(tmp
     assert {"MoE/max_vio", "MoE//max_vio", "MoE//bias_min", "MoE//bias_max"} <= tags, tags
     value = board.Scalars("MoE/max_vio")[0].value
     assert abs(value - (float(counts.max()) / float(counts.double().mean()) - 1)) < 1e-6
+
+
+def test_text_is_drawn_in_the_built_in_font():
+    one, two = text_image("1"), text_image("expert 0")
+    assert one.shape == (10, 6) and one.any() and two.shape == (10, 8 * 8 - 2)
+    assert np.array_equal(text_image("moe"), text_image("MOE"))  # lower case drawn in capitals
+    assert not np.array_equal(text_image("0"), text_image("8"))
+
+
+def _ink(region):
+    """Whether a part of the figure holds anything but the page colour."""
+    return bool((region != BACKGROUND).any())
+
+
+def test_the_figure_names_layers_and_experts_and_has_a_colour_bar():
+    small = expert_load_figure(["blocks.0.ffn", "blocks.1.ffn"], [[1.0, 2.0, 0.0, 1.0]] * 2, step=120)
+    assert small.dtype == np.uint8 and small.shape[2] == 3
+    more_layers = expert_load_figure(["blocks.0.ffn", "blocks.1.ffn", "blocks.2.ffn"], [[1.0] * 4] * 3, step=120)
+    more_experts = expert_load_figure(["blocks.0.ffn", "blocks.1.ffn"], [[1.0] * 16] * 2, step=120)
+    assert more_layers.shape[0] > small.shape[0] and more_layers.shape[1] == small.shape[1]
+    assert more_experts.shape[1] > small.shape[1] and more_experts.shape[0] == small.shape[0]
+
+    # the cells: the over-loaded expert's red and the idle expert's blue, once per layer
+    red, blue = load_colours(2.0).tolist(), load_colours(0.0).tolist()
+    rows_red = np.nonzero((small == red).all(axis=2).any(axis=1))[0]
+    assert len(rows_red) > 0
+    # the colour bar: one row that runs from blue through white to red, left to right, under the cells
+    bar_rows = [y for y in range(small.shape[0]) if (small[y] == blue).all(axis=1).any()
+                and (small[y] == red).all(axis=1).any() and (small[y] == [255, 255, 255]).all(axis=1).any()]
+    bar = [y for y in bar_rows if (np.nonzero((small[y] == blue).all(axis=1))[0].max()
+                                   < np.nonzero((small[y] == red).all(axis=1))[0].min())]
+    cell_rows = [y for y in rows_red if y not in bar]
+    assert len(bar) == 10 and max(bar) - min(bar) == 9 and min(bar) > max(cell_rows), "no colour bar under the cells"
+    # the labels: ink left of the cells (layer names), above them (title, expert ids) and under the bar (ticks)
+    cells = np.nonzero((small == red).all(axis=2))
+    top, left = cells[0].min(), cells[1].min() - 1
+    assert _ink(small[top:top + 10, :left - 8])  # the first layer's name
+    assert _ink(small[:top - 2, :])  # title and expert ids
+    assert _ink(small[max(bar) + 1:, :])  # the scale's ticks
+    # the step is in the title: another step draws another top line, the rest is the same picture
+    other = expert_load_figure(["blocks.0.ffn", "blocks.1.ffn"], [[1.0, 2.0, 0.0, 1.0]] * 2, step=130)
+    assert not np.array_equal(other[:20], small[:20]) and np.array_equal(other[20:], small[20:])
+
+
+def test_each_experts_load_is_a_scalar_as_a_fraction_of_the_mean_and_charted_per_layer(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    collapsed = LayerStats("blocks.1.ffn", 0.0, 0.0, torch.tensor([30.0, 10.0, 0.0, 0.0]),
+                           torch.tensor([30.0, 10.0, 0.0, 0.0]))
+    even = LayerStats("blocks.3.ffn", 0.0, 0.0, torch.tensor([5.0, 5.0]), torch.tensor([5.0, 5.0]))
+    assert collapsed.loads == collapsed.load.tolist() == [3.0, 1.0, 0.0, 0.0]
+    monitor = Monitor(str(tmp_path))
+    monitor.train_step(1, 8, 1e-3, 1.0, 0.1, 8, 2.0, [collapsed, even])
+    monitor.routing(2, [even, collapsed], pictures=False)
+    monitor.flush()
+    board = EventAccumulator(str(tmp_path))
+    board.Reload()
+    values = {tag: [e.value for e in board.Scalars(tag)] for tag in board.Tags()["scalars"] if "/expert_load/" in tag}
+    assert values == {"MoE/blocks.1.ffn/expert_load/0": [3.0, 3.0], "MoE/blocks.1.ffn/expert_load/1": [1.0, 1.0],
+                      "MoE/blocks.1.ffn/expert_load/2": [0.0, 0.0], "MoE/blocks.1.ffn/expert_load/3": [0.0, 0.0],
+                      "MoE/blocks.3.ffn/expert_load/0": [1.0, 1.0], "MoE/blocks.3.ffn/expert_load/1": [1.0, 1.0]}
+    assert board.Tags()["images"] == ["MoE/expert_load"]
+    assert board.Tags()["histograms"] == ["MoE/blocks.1.ffn/expert_load", "MoE/blocks.3.ffn/expert_load"]
+    monitor.close()
+    from tensorboard.plugins.custom_scalar import layout_pb2
+
+    (config,) = board.Tensors("custom_scalars__config__")  # written once, with the first routing
+    layout = layout_pb2.Layout.FromString(config.tensor_proto.string_val[0])
+    (category,) = layout.category
+    charts = {chart.title: list(chart.multiline.tag) for chart in category.chart}
+    assert charts == {"blocks.1.ffn": [r"^MoE/blocks\.1\.ffn/expert_load/\d+$"],
+                      "blocks.3.ffn": [r"^MoE/blocks\.3\.ffn/expert_load/\d+$"]}
