@@ -37,7 +37,7 @@ import sys
 from dataclasses import dataclass, field
 
 from recipes import gpt
-from recipes.common import runner
+from recipes.common import records, runner
 from recipes.common.cli import fail, flag_names, flag_parser
 from recipes.compare_dense_moe import stdlib_corpus
 from recipes.gpt_model import GPT
@@ -143,10 +143,18 @@ def summarise(cfg: AblateConfig, name: str, results: list[dict]) -> dict:
                         if (v := tail_mean(r["history"]["dropped_fraction"], cfg.steps)) is not None]}
 
 
+def curves(results: dict[str, list[dict]]) -> dict[str, list[dict]]:
+    """Each variant's validation loss and MaxVio by step, one entry per seed, for the run's record."""
+    return {name: [{"val_loss": r["history"]["val"], "max_vio": r["history"]["max_vio"]} for r in runs]
+            for name, runs in results.items()}
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = flag_parser(AblateConfig, __doc__)
     parser.prog = "recipes.ablate"
+    records.add_record_flag(parser)
     names, extra = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
+    record_dir = records.take_record_dir(names)
     cfg = AblateConfig(**vars(names))
     for flag in ("--seed", "--run-name", "--resume", "--checkpoint-dir"):
         if any(arg == flag or arg.startswith(flag + "=") for arg in extra):
@@ -168,6 +176,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         handle.write(table)
     os.replace(cfg.out + ".partial", cfg.out)
     print(f"table written to {cfg.out}; TensorBoard: tensorboard --logdir {cfg.log_dir}")
+    records.record_run(record_dir, "ablate", "recipes.ablate", argv, {"table": rows, "curves": curves(results)})
     return rows
 
 

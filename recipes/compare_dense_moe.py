@@ -19,6 +19,7 @@ import sysconfig
 from dataclasses import dataclass, field
 
 from recipes import gpt
+from recipes.common import records
 from recipes.common.cli import fail, flag_parser
 
 
@@ -59,7 +60,10 @@ def stdlib_corpus(folder: str) -> str:
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = flag_parser(CompareConfig, __doc__)
     parser.prog = "recipes.compare_dense_moe"
-    cfg = CompareConfig(**vars(parser.parse_args(argv)))
+    records.add_record_flag(parser)
+    args = parser.parse_args(argv)
+    record_dir = records.take_record_dir(args)
+    cfg = CompareConfig(**vars(args))
     if cfg.top_k > cfg.num_experts:
         fail(parser, f"--top-k ({cfg.top_k}) must be at most --num-experts ({cfg.num_experts})")
     data = stdlib_corpus(cfg.log_dir) if cfg.data == "stdlib" else cfg.data
@@ -85,6 +89,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         handle.write(table)
     os.replace(partial, cfg.out)
     print(f"table written to {cfg.out}")
+    records.record_run(record_dir, "compare_dense_moe", "recipes.compare_dense_moe", argv, rows)
     return rows
 
 

@@ -15,6 +15,9 @@
     checkpoint       memory to save and load a checkpoint, the sharded layout beside full entries (torchrun)
     step_breakdown   not a command: the per-block timers `gpt --breakdown` prints
 
+Each takes `--record-dir DIR` to also write its figures as a JSON record (`recipes.common.records`),
+which `python -m recipes.report` renders into docs/results.md.
+
 They are scripts, not timed tests: tests run each at a tiny size and check that what it prints is what
 it measured.
 """

@@ -37,6 +37,7 @@ import torch.distributed.checkpoint as dcp
 from optim import checkpoint, initialize
 from optim.memory import LiveBytes
 from parallel import init_distributed, reset_groups
+from recipes.common import records
 from recipes.common.cli import fail, flag_parser
 from recipes.common.training import cpu_name
 from recipes.gpt_model import GPT, GPTConfig
@@ -95,7 +96,10 @@ def full_load(engine, folder: str) -> None:
 def main(argv=None) -> dict:
     parser = flag_parser(BenchConfig, __doc__)
     parser.prog = "recipes.bench.checkpoint"
-    cfg = BenchConfig(**vars(parser.parse_args(argv)))
+    records.add_record_flag(parser)
+    args = parser.parse_args(argv)
+    record_dir = records.take_record_dir(args)
+    cfg = BenchConfig(**vars(args))
     if not os.path.exists("/proc/self/clear_refs"):
         fail(parser, "this benchmark reads the kernel's memory high-water mark: Linux only")
     _LIBC.mallopt(-3, 128 * 1024)  # M_MMAP_THRESHOLD fixed: large buffers are mapped alone and returned when freed
@@ -156,6 +160,7 @@ def main(argv=None) -> dict:
         shutil.rmtree(folder, ignore_errors=True)
     if dist.is_initialized():
         dist.destroy_process_group()
+    records.record_run(record_dir, "bench_checkpoint", "recipes.bench.checkpoint", argv, figures)
     return figures
 
 

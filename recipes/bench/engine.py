@@ -32,6 +32,7 @@ from optim import initialize
 from optim.memory import LiveBytes
 from parallel import init_distributed, reset_groups
 from recipes.bench.moe import chosen_backends
+from recipes.common import records
 from recipes.common.cli import fail, flag_parser
 from recipes.common.training import cpu_name
 
@@ -161,7 +162,10 @@ def accounting(cfg: BenchConfig, stage: int, dense: int, expert: int, world: int
 def main(argv=None) -> list[dict]:
     parser = flag_parser(BenchConfig, __doc__)
     parser.prog = "recipes.bench.engine"
-    cfg = BenchConfig(**vars(parser.parse_args(argv)))
+    records.add_record_flag(parser)
+    args = parser.parse_args(argv)
+    record_dir = records.take_record_dir(args)
+    cfg = BenchConfig(**vars(args))
     rank, world = init_distributed()
     if world % cfg.ep_world_size or cfg.experts % cfg.ep_world_size:
         fail(parser, f"--ep-world-size ({cfg.ep_world_size}) must divide the processes ({world}) and --experts "
@@ -207,6 +211,7 @@ def main(argv=None) -> list[dict]:
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+    records.record_run(record_dir, "bench_engine", "recipes.bench.engine", argv, rows)
     return rows
 
 

@@ -54,6 +54,7 @@ from moe import MoE, split_params_into_different_moe_groups_for_optimizer
 from optim import initialize
 from recipes import gpt
 from recipes.bench.step_breakdown import StepBreakdown
+from recipes.common import records
 from recipes.common.cli import engine_config, flag_parser
 from recipes.common.training import cpu_name
 from recipes.gpt_model import GPT, GPTConfig, mlp
@@ -235,7 +236,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--deepspeed", choices=("auto", "on", "off"), default="auto",
                         help="also the model with DeepSpeed's MoE layer: where importable (auto), required (on), "
                              "or not (off) (default: %(default)s)")
+    records.add_record_flag(parser)
     args = parser.parse_args(argv)
+    record_dir = records.take_record_dir(args)
     warmup, breakdown, profiled, deepspeed_mode = (args.__dict__.pop(flag)
                                                    for flag in ("warmup", "breakdown", "profile", "deepspeed"))
     steps = args.steps
@@ -258,7 +261,9 @@ def main(argv=None) -> dict:
                     print(f"DeepSpeed's MoE layer left out: {why}")
             else:
                 builders["deepspeed"] = build
-        return _run(base, builders, tokens, warmup, steps, breakdown, profiled)
+        results = _run(base, builders, tokens, warmup, steps, breakdown, profiled)
+        records.record_run(record_dir, "bench_gpt", "recipes.bench.gpt", argv, results)
+        return results
     finally:
         if opened and _distributed():
             _close_deepspeed()

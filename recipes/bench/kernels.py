@@ -19,6 +19,7 @@ from torch import nn
 
 from kernels import buffer_rows, expert_positions, permute, permute_reference, unpermute_combine, unpermute_combine_reference
 from moe import MoE
+from recipes.common import records
 from recipes.common.cli import device_or_accelerator, flag_parser
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -77,7 +78,10 @@ def main(argv=None) -> dict:
     """Prints the figures; returns them per row name ("copy", "permute (torch)", ...): ms, bytes and GB/s."""
     parser = flag_parser(KernelBenchConfig, __doc__)
     parser.prog = "recipes.bench.kernels"
-    cfg = KernelBenchConfig(**vars(parser.parse_args(argv)))
+    records.add_record_flag(parser)
+    args = parser.parse_args(argv)
+    record_dir = records.take_record_dir(args)
+    cfg = KernelBenchConfig(**vars(args))
     cfg.device = device_or_accelerator(parser, cfg.device)
     cfg.dtype = cfg.dtype or ("bf16" if torch.device(cfg.device).type == "cuda" else "fp32")
     if cfg.dtype not in DTYPES:
@@ -132,6 +136,7 @@ def main(argv=None) -> dict:
             name = f"MoE layer fwd+bwd ({backend})"
             results[name] = {"ms": _time(_with_backend(backend, step), cfg, device)}
             print(f"{name:<32} {results[name]['ms']:9.3f} ms")
+    records.record_run(record_dir, "bench_kernels", "recipes.bench.kernels", argv, results)
     return results
 
 

@@ -31,6 +31,7 @@ from kernels.cpu import gemm, threads
 from moe import MoE
 from moe.layer import EXPERT_LAYOUTS
 from optim.memory import LiveBytes
+from recipes.common import records
 from recipes.common.cli import device_or_accelerator, fail, flag_parser, require_at_least
 from recipes.common.training import cpu_name
 
@@ -249,7 +250,10 @@ def _report(name: str, ms: float, peak: int, matmul_ms: float, rows: int, cfg: B
 def main(argv=None) -> dict:
     parser = flag_parser(BenchConfig, __doc__)
     parser.prog = "recipes.bench.moe"
-    cfg = BenchConfig(**vars(parser.parse_args(argv)))
+    records.add_record_flag(parser)
+    args = parser.parse_args(argv)
+    record_dir = records.take_record_dir(args)
+    cfg = BenchConfig(**vars(args))
     if cfg.dtype not in DTYPES or cfg.activation not in ACTIVATIONS or cfg.deepspeed not in ("auto", "on", "off"):
         parser.error(f"--dtype must be in {list(DTYPES)}, --activation in {list(ACTIVATIONS)}, --deepspeed auto|on|off")
     require_at_least(parser, cfg, ("tokens", "hidden", "ffn", "experts", "steps"))
@@ -299,6 +303,7 @@ def main(argv=None) -> dict:
         results[name] = {"ms": ms[name], "peak_bytes": peak, "matmul_ms": ms[f"{name} matmuls"]}
     if "deepspeed" in results:
         print(f"speed-up over deepspeed: {results['deepspeed']['ms'] / results['ours']['ms']:.2f}x")
+    records.record_run(record_dir, "bench_moe", "recipes.bench.moe", argv, results)
     return results
 
 

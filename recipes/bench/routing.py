@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from moe import topkgating
+from recipes.common import records
 from recipes.common.cli import fail, flag_parser, require_at_least
 
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -49,7 +50,10 @@ def rows_per_token(expert_SK: torch.Tensor, num_experts: int, ep: int, source_ra
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = flag_parser(BenchConfig, __doc__)
     parser.prog = "recipes.bench.routing"
-    cfg = BenchConfig(**vars(parser.parse_args(argv)))
+    records.add_record_flag(parser)
+    args = parser.parse_args(argv)
+    record_dir = records.take_record_dir(args)
+    cfg = BenchConfig(**vars(args))
     require_at_least(parser, cfg, ("tokens", "hidden", "experts", "ep"))
     if cfg.experts % cfg.ep:
         fail(parser, f"--experts ({cfg.experts}) must be divisible by --ep ({cfg.ep})")
@@ -77,6 +81,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         results.append(row)
         print(f"{str(topk_group or 'none'):>10} {choices:8.2f} {ranks:7.2f} {row['bytes_choices']:13,.0f} "
               f"{row['bytes_ranks']:11,.0f} {row['saved']:14.1%}")
+    records.record_run(record_dir, "bench_routing", "recipes.bench.routing", argv, results)
     return results
 
 
