@@ -64,7 +64,7 @@ def _address(function) -> int:
 def _tune_jemalloc(mallctl) -> bool:
     """Turn jemalloc's decay off in every arena, unless MALLOC_CONF names one; whether dirty pages stay."""
     # Its default decay gives freed pages back over ten seconds and faults them in again, tens of
-    # thousands of pages a step in the GPT recipe's MoE model (docs/benchmarks.md). Only the environment
+    # thousands of pages a step in the GPT recipe's MoE model (docs/results.md). Only the environment
     # variable is read, not /etc/malloc.conf.
     mallctl.argtypes = [ctypes.c_char_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
     mallctl.restype = ctypes.c_int
