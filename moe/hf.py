@@ -3,8 +3,8 @@ same weights and routing, `restore` puts the original blocks back for `save_pret
 
 Shape legend: S tokens, M model dim, H expert hidden dim, E experts.
 
-Supported (transformers >= 5, whose blocks hold their experts as stacked tensors; imported lazily so `import moe` never needs it): Mixtral, Qwen2-MoE,
-Qwen3-MoE, DeepSeek-V3 and OLMoE. The experts of these models are SwiGLU MLPs,
+Supported (transformers >= 5, whose blocks hold their experts as stacked tensors; imported lazily, so
+`import moe` never needs it): Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3 and OLMoE. The experts of these models are SwiGLU MLPs,
 `down(act(x W_gate) * (x W_up))`, which our stacked experts do not hold (they are Linear-act-Linear),
 so each expert is a small `SwiGLU` module copied per expert. Routing maps onto the router options:
 softmax or sigmoid scores, `norm_topk_prob`, `routed_scaling_factor`, the expert bias
