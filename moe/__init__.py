@@ -20,10 +20,11 @@ from moe.layer import MOELayer, MoE  # noqa: E402
 from moe.router import (  # noqa: E402
     Routing, TopKGate, TopKGateConfig, expert_choice_gating, top1gating, top2gating, topkgating, update_routing,
 )
+from moe.upcycle import upcycle  # noqa: E402
 from parallel import is_moe_param, split_params_into_different_moe_groups_for_optimizer  # noqa: E402
 
 __all__ = [
     "Experts", "MOELayer", "MoE", "Routing", "TopKGate", "TopKGateConfig", "expert_choice_gating", "is_moe_param",
     "split_params_into_different_moe_groups_for_optimizer", "top1gating", "top2gating", "topkgating",
-    "update_routing",
+    "update_routing", "upcycle",
 ]
