@@ -20,7 +20,7 @@ from moe.layer import MOELayer, MoE  # noqa: E402
 from moe.router import (  # noqa: E402
     Routing, TopKGate, TopKGateConfig, expert_choice_gating, top1gating, top2gating, topkgating, update_routing,
 )
-from moe.upcycle import upcycle  # noqa: E402
+from moe.upcycling import upcycle  # noqa: E402
 from parallel import is_moe_param, split_params_into_different_moe_groups_for_optimizer  # noqa: E402
 
 __all__ = [

@@ -101,7 +101,7 @@ class MOELayer(nn.Module):
     def _layout(self, device: torch.device, dtype: torch.dtype) -> str:
         """The expert layout for a forward on `device` with inputs of `dtype`: "auto" resolves by device,
         by dropping and by what torch's grouped GEMM runs. Padded suits small layers on a GPU better
-        than grouped (see the README's GPU figures), hence bf16 and torch's grouped GEMM only."""
+        than grouped (see docs/results.md), hence bf16 and torch's grouped GEMM only."""
         if self.expert_layout != "auto":
             return self.expert_layout
         if device.type == "cpu":

@@ -16,7 +16,7 @@ from torch import nn
 
 import moe
 from moe import MoE, upcycle
-from moe.upcycle import UpcycledMLP
+from moe.upcycling import UpcycledMLP
 from recipes.gpt_model import GPT, GPTConfig
 
 EXACT = 1e-6
