@@ -1,5 +1,6 @@
 """Hugging Face MoE models on our layer: `convert` swaps each sparse MoE block for a `moe.MoE` with the
-same weights and routing, `restore` puts the original blocks back for `save_pretrained`.
+same weights and routing, `restore` puts the original blocks back for `save_pretrained` (gathering the
+experts of a model converted at ep_size > 1 over each layer's expert-parallel group).
 
 Shape legend: S tokens, M model dim, H expert hidden dim, E experts.
 
@@ -16,6 +17,7 @@ router class, which a converted block no longer holds: use `l_aux` instead of `o
 """
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from moe.layer import MoE
@@ -165,20 +167,34 @@ def convert(model: nn.Module, ep_size: int = 1, expert_layout: str = "auto", **k
     return model
 
 
+def _gathered(local: torch.Tensor, moe: MoE) -> torch.Tensor:
+    """Every expert's slice of a stacked tensor, in global-expert order: this rank's slice under ep_size 1,
+    else the slices of the layer's expert-parallel group, each placed by the ep_rank that holds it."""
+    if moe.ep_size == 1:
+        return local
+    group = moe.deepspeed_moe.ep_group
+    slices = [torch.empty_like(local) for _ in range(moe.ep_size)]
+    ranks = [torch.empty(1, dtype=torch.int64, device=local.device) for _ in range(moe.ep_size)]
+    dist.all_gather(slices, local.contiguous(), group=group)
+    dist.all_gather(ranks, torch.tensor([moe.ep_rank], device=local.device), group=group)
+    order = [int(r) for r in ranks]
+    return torch.cat([slices[order.index(ep_rank)] for ep_rank in range(moe.ep_size)])
+
+
 def _original(adapter: HFMoEBlock) -> nn.Module:
-    """A block of the original class carrying the adapter's weights."""
+    """A block of the original class carrying the adapter's weights (every expert's, gathered over the
+    expert-parallel group when the layer has ep_size > 1)."""
     moe = adapter.moe
-    if moe.ep_size > 1:
-        raise ValueError(f"restore needs every expert in one process; the layer has ep_size {moe.ep_size}: gather "
-                         f"the experts or convert at ep_size 1")
     experts = moe.deepspeed_moe.experts.deepspeed_experts
     reference = experts[0].down_proj.weight
     block = adapter.block_class(adapter.config).to(device=reference.device, dtype=reference.dtype)
     with torch.no_grad():
+        gate_up_EXM = _gathered(torch.stack([torch.cat([e.gate_proj.weight, e.up_proj.weight]) for e in experts]),
+                                moe)
+        down_EMH = _gathered(torch.stack([e.down_proj.weight for e in experts]), moe)
         block.gate.weight.copy_(moe.deepspeed_moe.gate.wg.weight)
-        block.experts.gate_up_proj.copy_(torch.stack(
-            [torch.cat([e.gate_proj.weight, e.up_proj.weight]) for e in experts]))
-        block.experts.down_proj.copy_(torch.stack([e.down_proj.weight for e in experts]))
+        block.experts.gate_up_proj.copy_(gate_up_EXM)
+        block.experts.down_proj.copy_(down_EMH)
         if moe.shared_expert is not None:
             name = "shared_expert" if hasattr(block, "shared_expert") else "shared_experts"
             setattr(block, name, moe.shared_expert)
@@ -193,11 +209,12 @@ def restore(model: nn.Module) -> nn.Module:
     """Put the original transformers blocks back, with the trained weights, so `save_pretrained` writes a
     checkpoint `from_pretrained` reads.
 
+    A layer converted at ep_size > 1 gathers its experts over its expert-parallel group, so every rank of
+    the group rebuilds the whole block: under expert parallelism every rank calls restore (a collective),
+    and one of them (rank 0) saves.
+
     Returns:
         the model, in place.
-
-    Raises:
-        ValueError: a converted layer has ep_size > 1.
     """
     adapters = [(name, m) for name, m in model.named_modules() if isinstance(m, HFMoEBlock)]
     for name, adapter in adapters:

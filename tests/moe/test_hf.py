@@ -154,3 +154,20 @@ def _expert_parallel(rank, world):
 @pytest.mark.slow
 def test_mixtral_at_ep_size_2_equals_one_process():
     run_distributed(_expert_parallel, 2)
+
+
+def _restore_expert_parallel(rank, world):
+    reset_groups()
+    for name in ("mixtral", "qwen2_moe", "deepseek_v3"):
+        reference = _model(name)
+        restored = restore(convert(copy.deepcopy(reference), ep_size=2))
+        assert not any(isinstance(m, HFMoEBlock) for m in restored.modules())
+        want, have = reference.state_dict(), restored.state_dict()
+        assert sorted(have) == sorted(want), name
+        for key, value in want.items():
+            torch.testing.assert_close(have[key], value, atol=0, rtol=0, msg=f"{name}: {key}")
+
+
+@pytest.mark.slow
+def test_restore_at_ep_size_2_gathers_every_expert():
+    run_distributed(_restore_expert_parallel, 2)
