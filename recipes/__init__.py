@@ -5,6 +5,7 @@ recipe's model:
 
     gpt                 train a byte-level MoE GPT (or its dense twin), or sample from a checkpoint
     gpt_model           the GPT recipe's model and its config
+    finetune            fine-tune a Hugging Face MoE model on our layer and save it back for transformers
     cifar               a CIFAR-10 classifier with MoE layers
     demo                a short MoE training demo on a synthetic mixture task
     compare_dense_moe   dense GPT against MoE GPT at equal active compute (the README's table)

@@ -1,0 +1,210 @@
+"""Fine-tune a Hugging Face MoE model on our layer, and save it back as a transformers checkpoint.
+
+    python -m recipes.finetune --hf PATH                                   # CPython's docs, a few steps
+    python -m recipes.finetune --hf PATH --data my_corpus.txt --steps 200 --out tuned/
+    torchrun --standalone --nproc_per_node 2 -m recipes.finetune --hf PATH --ep-world-size 2 --stage 2 --out tuned/
+
+--hf names a transformers Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3 or OLMoE model: a local folder
+(`save_pretrained`'s), or a hub name when this machine reaches the hub. Its sparse MoE blocks become
+our layer (`moe.hf.convert`, the same weights and routing, experts spread over --ep-world-size
+processes); the loss is the causal-LM cross-entropy plus --aux-coef times our load-balancing l_aux.
+Text comes from --data (a text file or a folder of them; default: the English documentation inside
+CPython, `pydoc_data.topics`), tokenised by the model folder's tokenizer when it has one, else as
+bytes clipped to the model's vocabulary. Each process draws its own random windows.
+
+TensorBoard logs go to --log-dir/--run-name (train loss, learning rate, l_aux, expert load). At the
+end the original blocks are put back (`moe.hf.restore`, gathering the experts over each layer's
+expert-parallel group) and rank 0 writes the model (and its tokenizer) with `save_pretrained` to
+--out, which `from_pretrained` reads.
+"""
+
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from moe import split_params_into_different_moe_groups_for_optimizer
+from moe.hf import HFMoEBlock, convert, restore
+from optim import ConfigTypeError, initialize
+from parallel import init_distributed
+from recipes.common.cli import engine_config, fail, flag_parser, given_flags, require_at_least, require_positive
+from recipes.common.training import Progress, SetupError
+from recipes.gpt import load_text, windows
+
+# files a model folder holds when it carries a tokenizer
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+
+
+@dataclass(kw_only=True)
+class FinetuneConfig:
+    hf: str = field(default="", metadata={"help": "the model: a save_pretrained folder (or a hub name, with network)"})
+    data: str = field(default="", metadata={"help": "text file or folder; empty: CPython's pydoc_data.topics"})
+    steps: int = 20
+    batch_size: int = field(default=4, metadata={"help": "sequences per micro-batch and process"})
+    seq_len: int = 128
+    lr: float = 1e-4
+    warmup_steps: int = 0
+    weight_decay: float = 0.0
+    gradient_clipping: float = 1.0
+    aux_coef: float = field(default=0.001, metadata={"help": "coefficient of our load-balancing l_aux"})
+    ep_world_size: int = 1
+    stage: int = field(default=0, metadata={
+        "choices": [0, 1, 2], "help": "ZeRO stage (not 3: it shards the weights that restore reads)"})
+    dtype: str = field(default="fp32", metadata={"choices": ["fp32", "bf16"]})
+    log_interval: int = 5
+    log_dir: str = "runs"
+    run_name: str = field(default="", metadata={"help": "TensorBoard run folder; empty: finetune-<time>"})
+    out: str = field(default="", metadata={"help": "save_pretrained folder for the tuned model (empty: not saved)"})
+    seed: int = 0
+
+
+def engine_fragments(cfg: FinetuneConfig) -> dict[str, dict]:
+    """Which engine-config entries each flag sets."""
+    return {
+        "batch_size": {"train_micro_batch_size_per_gpu": cfg.batch_size},
+        "optimizer": {"optimizer": {"type": "AdamW", "params": {"betas": [0.9, 0.95]}}},  # no flag's: defaults
+        "lr": {"optimizer": {"params": {"lr": cfg.lr}}},
+        "weight_decay": {"optimizer": {"params": {"weight_decay": cfg.weight_decay}}},
+        "scheduler": {"scheduler": {"type": "WarmupCosineLR"}},  # no flag's: a default
+        "steps": {"scheduler": {"params": {"total_num_steps": cfg.steps}}},
+        "warmup_steps": {"scheduler": {"params": {"warmup_num_steps": cfg.warmup_steps}}},
+        "gradient_clipping": {"gradient_clipping": cfg.gradient_clipping},
+        "dtype": {"bf16": {"enabled": cfg.dtype == "bf16"}},
+        "stage": {"zero_optimization": {"stage": cfg.stage}},
+        "run_name": {"tensorboard": {"enabled": True, "output_path": cfg.log_dir, "job_name": cfg.run_name}},
+        "steps_per_print": {"steps_per_print": 10**9},
+    }
+
+
+class CausalLM(nn.Module):
+    """A converted transformers model as the engine runs it: forward(ids) -> (logits, l_aux), l_aux summed over
+    its MoE layers (each layer keeps the last forward's)."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = self.model(input_ids=ids).logits
+        l_aux = sum(m.moe.deepspeed_moe.l_aux for m in self.model.modules() if isinstance(m, HFMoEBlock))
+        return logits, l_aux
+
+
+def load_model(cfg: FinetuneConfig):
+    """The transformers model and its tokenizer (None when the folder has none)."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(cfg.hf, dtype=torch.float32)
+    tokenizer = None
+    if not os.path.isdir(cfg.hf) or any(os.path.isfile(os.path.join(cfg.hf, name)) for name in _TOKENIZER_FILES):
+        try:
+            tokenizer = transformers.AutoTokenizer.from_pretrained(cfg.hf)
+        except (OSError, ValueError):
+            tokenizer = None
+    return model, tokenizer
+
+
+def tokens_of(text: bytes, tokenizer, vocab_size: int) -> torch.Tensor:
+    """The text's token ids: the tokenizer's, else its bytes clipped to the vocabulary."""
+    if tokenizer is not None:
+        ids = tokenizer(text.decode("utf-8", errors="replace"), add_special_tokens=False)["input_ids"]
+        return torch.tensor(ids, dtype=torch.long).clamp_(max=vocab_size - 1)
+    return torch.frombuffer(bytearray(text), dtype=torch.uint8).long().clamp_(max=vocab_size - 1)
+
+
+def train_batch(tokens: torch.Tensor, cfg: FinetuneConfig, step: int, rank: int):
+    g = torch.Generator().manual_seed((cfg.seed * 1_000_003 + step) * 8191 + rank)
+    return windows(tokens, torch.randint(len(tokens) - cfg.seq_len, (cfg.batch_size,), generator=g), cfg.seq_len)
+
+
+def train(cfg: FinetuneConfig, given: set[str], rank: int, world: int) -> dict:
+    torch.manual_seed(cfg.seed)
+    try:  # a bad model, data or engine setting stops with one line
+        model, tokenizer = load_model(cfg)
+        vocab = model.config.vocab_size
+        tokens = tokens_of(load_text(cfg.data), tokenizer, vocab)
+        if len(tokens) <= cfg.seq_len + 1:
+            raise ValueError(f"the data ({len(tokens)} tokens) is too small for --seq-len {cfg.seq_len}")
+        convert(model, ep_size=cfg.ep_world_size)
+        wrapped = CausalLM(model).train()
+        groups = split_params_into_different_moe_groups_for_optimizer(
+            {"params": list(wrapped.parameters()), "name": "dense"})
+        config = engine_config(engine_fragments(cfg), given, "")
+        engine, *_ = initialize(wrapped, model_parameters=groups, config=config)
+    except (OSError, ConfigTypeError, ValueError, ImportError) as error:
+        raise SetupError(str(error)) from None
+    progress = Progress(cfg.steps, 0, cfg.batch_size * cfg.seq_len * world, enabled=rank == 0)
+    progress.message(f"model: {type(model).__name__} ({model.config.model_type}), vocabulary {vocab}; data: "
+                     f"{len(tokens):,} tokens ({'the tokenizer' if tokenizer is not None else 'bytes'}); {world} "
+                     f"process(es), ep {cfg.ep_world_size}, ZeRO stage {engine.stage}, {cfg.dtype}")
+    losses = []
+    for step in range(1, cfg.steps + 1):
+        x, y = (t.to(engine.device) for t in train_batch(tokens, cfg, step, rank))
+        logits, l_aux = engine(x)
+        loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+        engine.backward(loss + cfg.aux_coef * l_aux)
+        engine.step()
+        losses.append((step, loss.item()))
+        if step % cfg.log_interval == 0 or step == cfg.steps:
+            progress.line(step, progress.rate(step), loss=losses[-1][1], lr=f"{engine.get_lr()[0]:.2e}")
+    if engine.monitor is not None:
+        engine.monitor.close()
+        progress.message(f"TensorBoard logs: {engine.monitor.log_dir}   (view: tensorboard --logdir {cfg.log_dir})")
+    restore(model)  # every rank: a layer spread over processes gathers its experts
+    if cfg.out and rank == 0:
+        model.save_pretrained(cfg.out)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(cfg.out)
+        progress.message(f"saved the tuned model to {cfg.out} (transformers.AutoModelForCausalLM.from_pretrained)")
+    return {"losses": losses, "log_dir": engine.monitor.log_dir if engine.monitor is not None else None,
+            "out": cfg.out}
+
+
+def check(parser, cfg: FinetuneConfig, world: int) -> None:
+    """The flags' checks; one line on error."""
+    if not cfg.hf:
+        fail(parser, "--hf is needed: a transformers MoE model's folder (save_pretrained's) or hub name")
+    require_at_least(parser, cfg, ("steps", "batch_size", "seq_len", "log_interval", "ep_world_size"))
+    require_at_least(parser, cfg, ("warmup_steps",), 0)
+    require_positive(parser, cfg, ("lr",))
+    if world % cfg.ep_world_size:
+        fail(parser, f"--ep-world-size ({cfg.ep_world_size}) must divide the number of processes ({world})")
+    if cfg.data and not os.path.exists(cfg.data):
+        fail(parser, f"--data {cfg.data} does not exist (a text file, a folder of them, or empty for CPython's docs)")
+    if cfg.out and os.path.exists(cfg.out) and not os.path.isdir(cfg.out):
+        fail(parser, f"--out {cfg.out} is a file, not a folder")
+
+
+def main(argv: list[str] | None = None) -> dict:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = flag_parser(FinetuneConfig, __doc__)
+    parser.prog = "recipes.finetune"
+    cfg = FinetuneConfig(**vars(parser.parse_args(argv)))
+    given = given_flags(parser, argv)
+    rank, world = init_distributed()
+    if not cfg.run_name:
+        cfg.run_name = f"finetune-{time.strftime('%Y%m%d-%H%M%S')}"
+    check(parser, cfg, world)
+    if rank == 0:
+        print("config:", asdict(cfg), f"processes={world}", flush=True)
+    try:
+        result = train(cfg, given, rank, world)
+        if dist.is_initialized():
+            dist.barrier()  # no rank tears its group down while a peer's last exchange is in flight
+    except SetupError as error:
+        fail(parser, str(error))
+    except FloatingPointError as error:  # the engine's non-finite guard: one line, exit status 1
+        parser.exit(1, f"{parser.prog}: stopped: {error}\n")
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return result
+
+
+if __name__ == "__main__":
+    main()
