@@ -1,0 +1,79 @@
+"""recipes.finetune: a tiny random Mixtral fine-tuned on our layer, logged, and saved back for transformers."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from recipes import finetune  # noqa: E402
+
+VOCAB = 64
+TINY = {"vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "num_local_experts": 4, "num_experts_per_tok": 2}
+
+
+def _saved_mixtral(folder) -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(transformers.MixtralConfig(**TINY)).eval()
+    model.save_pretrained(folder)
+    return model
+
+
+def _logits(model, ids):
+    with torch.no_grad():
+        return model.eval()(ids).logits
+
+
+def _loads_changed(out, original) -> None:
+    tuned = transformers.AutoModelForCausalLM.from_pretrained(out)
+    ids = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(1))
+    got = _logits(tuned, ids)
+    assert got.isfinite().all()
+    assert not torch.allclose(got, _logits(original, ids))
+
+
+@pytest.mark.slow
+def test_finetune_lowers_the_loss_logs_and_saves_a_model_transformers_loads(tmp_path):
+    original = _saved_mixtral(tmp_path / "tiny")
+    result = finetune.main(["--hf", str(tmp_path / "tiny"), "--steps", "8", "--seq-len", "16", "--lr", "1e-2",
+                            "--log-dir", str(tmp_path / "runs"), "--run-name", "run", "--out", str(tmp_path / "out")])
+    losses = [loss for _, loss in result["losses"]]
+    assert len(losses) == 8 and losses[-1] < losses[0]
+    assert list((tmp_path / "runs" / "run").glob("events.out.tfevents.*"))
+    _loads_changed(tmp_path / "out", original)
+
+
+def test_finetune_without_hf_stops_with_one_line(capsys):
+    with pytest.raises(SystemExit) as stopped:
+        finetune.main([])
+    assert stopped.value.code == 2
+    assert capsys.readouterr().err.strip() == ("recipes.finetune: error: --hf is needed: a transformers MoE model's "
+                                               "folder (save_pretrained's) or hub name")
+
+
+@pytest.mark.slow
+def test_finetune_under_torchrun_with_expert_parallelism_saves_a_loadable_model(tmp_path):
+    original = _saved_mixtral(tmp_path / "tiny")
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+               "-m", "recipes.finetune", "--hf", str(tmp_path / "tiny"), "--steps", "4", "--seq-len", "16",
+               "--lr", "1e-2", "--ep-world-size", "2", "--stage", "2", "--log-dir", str(tmp_path / "runs"),
+               "--run-name", "run", "--out", str(tmp_path / "out")]
+    done = subprocess.run(command, check=False, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "2 process(es), ep 2, ZeRO stage 2" in done.stdout
+    _loads_changed(tmp_path / "out", original)
+
+
+def test_the_recipes_page_lists_every_finetune_flag():
+    import dataclasses
+    import pathlib
+    import re
+
+    page = (pathlib.Path(__file__).parents[2] / "docs" / "recipes.md").read_text()
+    start = page.index("| flags | what |", page.index("## `recipes.finetune`"))
+    listed = set(re.findall(r"--[a-z][a-z-]*", page[start:page.index("\n## ", start)]))
+    flags = {"--" + f.name.replace("_", "-") for f in dataclasses.fields(finetune.FinetuneConfig)}
+    assert flags == listed
