@@ -99,7 +99,7 @@ def test_deepseek_v3_keeps_its_dense_first_layer():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe", "deepseek_v3"])
+@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "olmoe"])
 def test_restored_model_saves_a_checkpoint_that_loads_with_the_same_logits(name, tmp_path):
     model = _model(name)
     ids = _ids()
