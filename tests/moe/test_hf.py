@@ -13,6 +13,7 @@ from moe.hf import HFMoEBlock, convert, restore  # noqa: E402
 from parallel import reset_groups  # noqa: E402
 
 FP32 = {"atol": 1e-5, "rtol": 0}
+ARCHITECTURES = ["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "olmoe"]
 VOCAB = 64
 SHAPE = {"vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2,
          "num_attention_heads": 4, "num_key_value_heads": 2}
@@ -73,7 +74,7 @@ def _hf_grads(model) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "olmoe"])
+@pytest.mark.parametrize("name", ARCHITECTURES)
 def test_converted_model_gives_the_same_logits_and_gradients(name):
     model = _model(name)
     converted = convert(copy.deepcopy(model))
@@ -99,7 +100,7 @@ def test_deepseek_v3_keeps_its_dense_first_layer():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "olmoe"])
+@pytest.mark.parametrize("name", ARCHITECTURES)
 def test_restored_model_saves_a_checkpoint_that_loads_with_the_same_logits(name, tmp_path):
     model = _model(name)
     ids = _ids()
@@ -130,8 +131,13 @@ def test_gpt_oss_is_refused_with_its_reason():
 
 
 def _expert_parallel(rank, world):
+    for name in ARCHITECTURES:
+        _expert_parallel_one(rank, world, name)
+
+
+def _expert_parallel_one(rank, world, name):
     reset_groups()
-    reference = _model("mixtral")
+    reference = _model(name)
     converted = convert(copy.deepcopy(reference), ep_size=2)
     ids = torch.cat([_ids(seed) for seed in range(world)])  # each rank's batch, and the reference's whole one
     mine = ids.chunk(world)[rank]
@@ -152,13 +158,13 @@ def _expert_parallel(rank, world):
 
 
 @pytest.mark.slow
-def test_mixtral_at_ep_size_2_equals_one_process():
+def test_every_architecture_at_ep_size_2_equals_one_process():
     run_distributed(_expert_parallel, 2)
 
 
 def _restore_expert_parallel(rank, world):
     reset_groups()
-    for name in ("mixtral", "qwen2_moe", "deepseek_v3"):
+    for name in ARCHITECTURES:
         reference = _model(name)
         restored = restore(convert(copy.deepcopy(reference), ep_size=2))
         assert not any(isinstance(m, HFMoEBlock) for m in restored.modules())
