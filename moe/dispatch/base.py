@@ -16,6 +16,7 @@ dispatcher never builds an [S, E, C] tensor, and it holds no tensors between cal
 needs travels in `Dispatched`.
 """
 
+import abc
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,7 +64,7 @@ class Dispatched:
     state: Any = field(default=None)
 
 
-class Dispatcher:
+class Dispatcher(abc.ABC):
     """One way for tokens to travel to their experts and back; subclasses implement both directions.
 
     Attributes:
@@ -73,13 +74,13 @@ class Dispatcher:
 
     grouped_gemm: bool | None = False
 
+    @abc.abstractmethod
     def dispatch(self, x_SM: torch.Tensor, routing) -> Dispatched:
         """Rows for the local experts from tokens x_SM [S, M] and the router's plan."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def combine(self, y_NM: torch.Tensor, dispatched: Dispatched) -> torch.Tensor:
         """out_SM: the experts' outputs y_NM brought back to their tokens, weighted and summed over choices."""
-        raise NotImplementedError
 
 
 def permute_tokens(x_SM: torch.Tensor, row_SK: torch.Tensor, weight_SK: torch.Tensor, num_rows: int

@@ -49,7 +49,7 @@ def slug(text: str) -> str:
 
 
 def record_path(record: dict, directory="results") -> Path:
-    """Where `record` is stored; a second run with the same date, machine and commit gets a numbered name."""
+    """Where `record` is stored; another record of the same date, machine and commit gets a numbered name."""
     stem = f"{record['date']}_{slug(record['machine'])}_{record['commit']}"
     folder = Path(directory) / record["benchmark"]
     path, n = folder / f"{stem}.json", 2

@@ -164,7 +164,7 @@ def test_bench_gpt_runs_deepspeeds_own_layer_on_the_config_from_our_layers_weigh
     monkeypatch.setattr(bench_gpt, "_deepspeed_layer", recording)
     flags = GPT_TINY + ["--ffn", "128", "--steps", "1", "--warmup", "1", "--deepspeed", "on",  # experts 32 -> 64
                         "--noisy-gate-policy", "Jitter", "--dropless", "--capacity-factor", "1.5"]
-    for _ in range(2):  # a second run in the process: DeepSpeed's groups were closed with the first
+    for _ in range(2):  # run twice in one process: DeepSpeed's groups are closed at the end of each run
         results = bench_gpt.main(flags)
         assert set(results) == {"moe", "dense", "deepspeed"}
         assert not dist.is_initialized()  # the process group it opened for DeepSpeed is closed

@@ -25,7 +25,7 @@ def test_benchmark_prints_the_figures_it_returns(capsys, flags):
     assert percent == pytest.approx(100 * ours["matmul_ms"] / ours["ms"], abs=0.051)
     assert tokens <= rows <= tokens * k  # the expert rows are the kept choices; few are dropped at capacity 1.25
     # the step holds at once at least the dispatch buffer and the experts' hidden rows (kept for the backward):
-    # a measure of bytes held, not of resident growth (none once freed memory is kept, as from the second run here)
+    # a measure of bytes held, not of resident growth (none once freed memory is kept, as it is after one run in this process)
     assert ours["peak_bytes"] >= rows * (32 + 64) * 4
 
 
