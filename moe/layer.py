@@ -127,6 +127,17 @@ class MOELayer(nn.Module):
                 equal_tokens=key[5])
         return self._dispatchers[key]
 
+    def host_read(self, device: torch.device, dtype: torch.dtype) -> str | None:
+        """Why a forward on `device` with inputs of `dtype` reads a device value on the host (buffers sized
+        by the routing, which a CUDA graph cannot capture), or None when it reads nothing."""
+        layout = self._layout(device, dtype)
+        if self.dispatcher(device, dtype).reads_counts:
+            return (f"the {layout} layout{' under expert parallelism' if self.ep_size > 1 else ''} reads its "
+                    "row counts on the host")
+        if layout == "padded" and not self.gate.config.drop_tokens:
+            return "the padded layout without dropping sizes its capacity from the routing"
+        return None
+
     def forward(self, x_SM: torch.Tensor, used_token: torch.Tensor | None = None, seq_len: int | None = None
                 ) -> torch.Tensor:
         # Host syncs: none in the gate and the padded layout with dropping; none for grouped stacked

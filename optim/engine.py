@@ -21,6 +21,7 @@ from torch.utils._pytree import tree_map
 
 from optim import checkpoint
 from optim.buckets import release_hooks
+from optim.capturable import CapturableStep, capture_problems
 from optim.config import EngineConfig, parse_config
 from optim.memory import model_state_bytes
 from optim.monitor import StepReport
@@ -99,10 +100,10 @@ class Engine:
             follow_split(client, self.lr_scheduler, origins, len(user_groups))
         self._report = StepReport(config, self.module, self.device, self.rank)
         self.monitor = self._report.monitor
-        self.last_routing_stats = []  # the last optimizer step's per-layer routing (optim.monitor.LayerStats), with TensorBoard
         # Routers that keep state across steps (an expert bias, the step's counts) advance after each step:
         # any module with an update_routing(skipped=...) method (the MoE layer's gate has one).
         self._routers = [m for m in self.module.modules() if callable(getattr(m, "update_routing", None))]
+        self.capturable: CapturableStep | None = None  # set_capturable's split step
 
     def _build_scheduler(self, lr_scheduler):
         if lr_scheduler is not None:
@@ -144,18 +145,48 @@ class Engine:
         self._report.add_loss(loss)
         self._report.add_time("backward", start)
 
+    @property
+    def last_routing_stats(self) -> list:
+        """The last reported optimizer step's per-layer routing (optim.monitor.LayerStats), with TensorBoard."""
+        return self._report.last_routing_stats
+
+    def flush_report(self) -> None:
+        """Read and write the statistics a capturable step queued (`set_capturable`) now; with the usual
+        step every step is written at once and this does nothing."""
+        if self.capturable is not None:
+            self.capturable.check_skips()
+            self._report.flush()
+
+    def set_capturable(self, report_every: int = 10) -> None:
+        """Make every optimizer step read nothing on the host, so that a CUDA graph can capture it
+        (`optim.graphs`); TensorBoard's statistics are then read every `report_every` steps, and what
+        else differs is in `optim.capturable`.
+
+        Raises:
+            ValueError: naming each setting that keeps the step from it.
+        """
+        problems = capture_problems(self)
+        if problems:
+            raise ValueError("the engine's step cannot run without host reads: " + "; ".join(problems))
+        if self.capturable is None:
+            self.precision.set_capturable(True)
+            self.capturable = CapturableStep(self, report_every)
+
     def step(self) -> None:
         """Count a micro-batch; at the accumulation boundary reduce, check, clip and step."""
         start = time.perf_counter()
         boundary = self.is_gradient_accumulation_boundary()
         self.zero.micro_step(boundary)
         self.micro_steps += 1
-        if boundary:
+        if boundary and self.capturable is not None:
+            self.capturable.run()
+            if not self.capturable.holding:
+                self.capturable.finish()
+        elif boundary:
             self._optimizer_step()
             self.global_steps += 1
             self._report.step_done(self.global_steps, self.skipped_steps, self.get_lr(), self.loss_scale,
                                    self.memory_breakdown)
-            self.last_routing_stats = self._report.last_routing_stats
         self._report.add_time("step", start)
 
     def _optimizer_step(self) -> None:
@@ -319,6 +350,7 @@ class Engine:
                 (nothing is written; the message names the last checkpoint).
         """
         self.zero.settle(self.module)
+        self.flush_report()  # a capturable step's skipped steps and statistics, read before saving
         if self.precision.guard.written is not None:  # never a checkpoint of weights that are not finite
             self._stop_if_writes_went_bad(saving=True)
         self.last_checkpoint = checkpoint.save(self, save_dir, tag, client_state or {}, save_latest)

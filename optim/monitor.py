@@ -105,14 +105,13 @@ class StepStats:
 
     def _reset(self) -> None:
         # Sums stay on the model's device until the step ends: no host sync per forward.
-        self._loss = None
-        self._losses = 0
+        self._loss = None  # [sum of the losses, how many], float64 on the device
         self._routing = [None] * len(self.layers)  # per layer: [forwards, l_aux, z_loss, *exp_counts, *kept_counts]
 
     def add_loss(self, loss: torch.Tensor) -> None:
-        loss = loss.detach().double()
-        self._loss = loss if self._loss is None else self._loss + loss
-        self._losses += 1
+        loss = loss.detach().double().reshape(1)
+        pair = torch.cat([loss, torch.ones_like(loss)])  # counted on the device: a captured step adds it too
+        self._loss = pair if self._loss is None else self._loss + pair
 
     def collect(self) -> None:
         """Read every MoE layer's statistics of the forward that just ran."""
@@ -130,20 +129,30 @@ class StepStats:
 
         Every rank must call it at the same step; layers that did not run on any rank are left out.
         """
+        return self.unpack(read_stats(self.step_vector(group)))
+
+    def step_vector(self, group=None) -> torch.Tensor:
+        """The step's sums over all ranks as one float64 vector on the device, and the expert biases'
+        ranges (the same on every rank: not summed); no host read. Starts the next step's sums."""
         distributed = dist.is_available() and dist.is_initialized()
         device = self.device
         sizes = [module.num_experts for _, module in self.layers]
-        loss = self._loss.to(device) if self._loss is not None else torch.zeros((), dtype=torch.float64, device=device)
+        loss = self._loss.to(device) if self._loss is not None else torch.zeros(2, dtype=torch.float64, device=device)
         rows = [r.to(device) if r is not None else torch.zeros(3 + 2 * e, dtype=torch.float64, device=device)
                 for r, e in zip(self._routing, sizes)]
-        flat = torch.cat([loss.reshape(1), torch.tensor([float(self._losses)], dtype=torch.float64, device=device),
-                          *rows])
+        flat = torch.cat([loss, *rows])
         self._reset()
         if distributed:
             dist.all_reduce(flat, group=group)
         biases = [getattr(module, "expert_bias", None) for _, module in self.layers]
         ranges = [torch.stack([b.min(), b.max()]).to(device, torch.float64) for b in biases if b is not None and b.numel()]
-        flat = read_stats(torch.cat([flat, *ranges]))  # the bias is the same on every rank: read, not summed
+        return torch.cat([flat, *ranges])
+
+    def unpack(self, flat: torch.Tensor) -> tuple[float | None, list[LayerStats]]:
+        """Mean loss and each layer's statistics from `step_vector`'s values, read on the host."""
+        sizes = [module.num_experts for _, module in self.layers]
+        biases = [getattr(module, "expert_bias", None) for _, module in self.layers]
+        ranges = [b for b in biases if b is not None and b.numel()]
         values = flat.tolist()  # scalars in Python: a few divisions, cheaper than tensor operations
         ranges = iter(zip(values[len(values) - 2 * len(ranges)::2], values[len(values) - 2 * len(ranges) + 1::2]))
         loss = values[0] / values[1] if values[1] else None
@@ -302,6 +311,45 @@ class StepReport:
         self.last_routing_stats = []
         self.timers = {"forward": 0.0, "backward": 0.0, "step": 0.0}
         self.step_started = None  # when the step's first training forward began
+        self.every = 0  # with `defer`: statistics read every this many steps
+        self._queued, self._vector, self._flushed_at = [], None, None
+
+    def defer(self, every: int) -> None:
+        """Keep each step's statistics on the device and read them every `every` steps (a capturable
+        step reads nothing on the host)."""
+        if every < 1:
+            raise ValueError(f"the report interval must be at least 1 step, got {every}")
+        self.flush()
+        self.every, self._flushed_at = every, time.perf_counter()
+
+    def sum_step(self) -> None:
+        """In a capturable step: the step's sums over the ranks, left on the device (a collective)."""
+        if self.stats is not None:
+            self._vector = self.stats.step_vector()
+
+    def step_queued(self, step: int, lrs: list[float], scale: torch.Tensor | None) -> None:
+        """After a deferred step: a copy of its sums and loss scale stays on the device; every `every`
+        steps they are read at once and written, one TensorBoard step each."""
+        if self.stats is not None:
+            scale = self._vector.new_ones(1) if scale is None else scale.reshape(1).to(self._vector)
+            self._queued.append((step, lrs[0], torch.cat([self._vector, scale])))
+        if step % self.every == 0:
+            self.flush()
+
+    def flush(self) -> None:
+        """Write the queued steps' statistics (one host read for all of them)."""
+        queued, self._queued = self._queued, []
+        if not queued:
+            return
+        rows = read_stats(torch.stack([row for _, _, row in queued]))
+        now = time.perf_counter()
+        seconds, self._flushed_at = (now - self._flushed_at) / len(queued), now
+        for (step, lr, _), row in zip(queued, rows):
+            loss, layers = self.stats.unpack(row[:-1])
+            self.last_routing_stats = layers
+            if self.monitor is not None:
+                batch_size = self.config.train_batch_size
+                self.monitor.train_step(step, step * batch_size, lr, float(row[-1]), seconds, batch_size, loss, layers)
 
     def forward_started(self, start: float, training: bool) -> None:
         if self.step_started is None and training:

@@ -12,12 +12,17 @@ import math
 import torch
 import torch.distributed as dist
 
-__all__ = ["NonfiniteGuard", "nonfinite_flag", "read_flag"]
+__all__ = ["NonfiniteGuard", "nonfinite_flag", "read_counts", "read_flag"]
 
 
 def read_flag(flag: torch.Tensor) -> float:
     """A device flag's value read on the host (a sync); the one place the engine's step reads a device value."""
     return float(flag.item())
+
+
+def read_counts(counts: torch.Tensor) -> list[int]:
+    """A capturable step's skip counters read on the host (a sync), when the engine reports, not in a step."""
+    return [int(value) for value in counts.tolist()]
 
 
 def nonfinite_flag(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
@@ -62,14 +67,19 @@ class NonfiniteGuard:
         ranks): the step's one host read. The flag is 1 for gradients, 2 for the previous step's writes
         (`written_seen`), max-reduced: the writes, which stop the run, outrank the gradients."""
         self.written_seen = False
+        value = read_flag(self.device_flag(grads))
+        self.written_seen = value >= 2
+        return bool(value)
+
+    def device_flag(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        """`any_overflow`'s flag left on the device (1 gradients, 2 the previous step's writes, max over
+        the ranks), for a step that reads nothing on the host."""
         flag = nonfinite_flag(grads, self.device)
         if self.written is not None:
             flag = torch.maximum(flag, 2 * self.written)
         if self.world_size > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        value = read_flag(flag)
-        self.written_seen = value >= 2
-        return bool(value)
+        return flag
 
     def with_writes(self, squared_norm: torch.Tensor) -> torch.Tensor:
         """The squared gradient norm, made inf where the previous step wrote inf or nan: the norm's one read

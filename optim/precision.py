@@ -16,6 +16,11 @@ backward multiplies the incoming gradient by the gradient factor. So a plain `lo
 `out.backward(grad)`) gets the same gradients as `engine.backward(loss)`, which instead scales the
 loss itself (and so also covers loss terms that bypass the outputs).
 
+A capturable step (`set_capturable`, for CUDA graphs) reads nothing on the host: the loss scale and
+the gradient factor are device tensors, the overflow is a device flag (`found_nonfinite`) that the
+optimizer skips on and the scaler updates from on the device, and the steps it skipped are counted
+there too, read when the engine next reports (`read_skips`).
+
 It reduces no gradient and shards nothing: units reach it through the `optim.zero.Unit` protocol.
 """
 
@@ -94,7 +99,12 @@ class _ScaleGrad(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         precision = ctx.precision
-        return (grad if precision.in_backward else grad * precision.grad_factor()), None
+        if precision.in_backward:
+            return grad, None
+        factor = precision.grad_factor()
+        if isinstance(factor, torch.Tensor):  # in fp32, as a Python factor is applied: 2^16 overflows fp16
+            return (grad.float() * factor).to(grad.dtype), None
+        return grad * factor, None
 
 
 class Precision:
@@ -129,18 +139,33 @@ class Precision:
         self.guard = NonfiniteGuard(world_size, device)
         self.watch = self.scaler is not None or config.nonfinite != "off"
         self.in_backward = False
+        self.capturable = False
+        self.skips = None  # with capturable: [steps skipped, of them for the previous step's writes] on the device
+
+    def set_capturable(self, on: bool) -> None:
+        """Keep the loss scale on the device and decide overflows there (no host read in a step), or go back."""
+        if on and not self.capturable:
+            self.skips = torch.zeros(2, dtype=torch.int64, device=self.device)
+        if self.scaler is not None:
+            self.scaler.to_device(self.device) if on else self.scaler.to_host()
+        self.capturable = on
 
     @property
     def loss_scale(self) -> float:
         """The current fp16 loss scale (1.0 without fp16)."""
-        return self.scaler.scale if self.scaler is not None else 1.0
+        if self.scaler is None:
+            return 1.0
+        return float(self.scaler.scale_tensor) if self.scaler.on_device else self.scaler.scale
 
     @property
     def stops_on_nonfinite(self) -> bool:
         """Whether inf or nan in a step's gradients stops the run (nonfinite: stop, without a scaler)."""
         return self.scaler is None and self.config.nonfinite == "stop"
 
-    def grad_factor(self) -> float:
+    def grad_factor(self) -> float | torch.Tensor:
+        """loss scale / gradient_accumulation_steps: a device tensor while the scale lives on the device."""
+        if self.scaler is not None and self.scaler.on_device:
+            return self.scaler.scale_tensor / self.config.gradient_accumulation_steps
         return self.loss_scale / self.config.gradient_accumulation_steps
 
     # 1. Forward and backward.
@@ -175,13 +200,18 @@ class Precision:
 
     def prepare_proxies(self, units: list, grads: list[torch.Tensor]) -> list[nn.Parameter]:
         """Give each unit's proxy its gradient in the optimizer's dtype and device, unscaled."""
-        proxies, inverse = [], 1.0 / self.loss_scale
+        proxies = []
+        on_device = self.scaler is not None and self.scaler.on_device
+        inverse = self.scaler.scale_tensor.reciprocal() if on_device else 1.0 / self.loss_scale
         for unit, grad in zip(units, grads):
             proxy = unit.proxy
             if unit.steps_on_copy:  # bf16 master weights with fp32 optimizer states: step on an fp32 copy
                 proxy.data = unit.weights.to(self.state_dtype)
             converted = grad.to(proxy.device, proxy.dtype)
-            if inverse != 1.0:
+            if on_device:
+                factor = inverse.to(converted.dtype)  # as the host path: multiplied in the optimizer's dtype
+                converted = converted * factor if converted is grad else converted.mul_(factor)
+            elif inverse != 1.0:
                 converted = converted * inverse if converted is grad else converted.mul_(inverse)
             proxy.grad = converted
             proxies.append(proxy)
@@ -211,14 +241,13 @@ class Precision:
             dist.all_reduce(total)
         return total.sqrt()
 
-    @staticmethod
-    def clip(proxies: list[nn.Parameter], norm: torch.Tensor, max_norm: float) -> None:
+    def clip(self, proxies: list[nn.Parameter], norm: torch.Tensor, max_norm: float) -> None:
         """Scale every gradient by min(1, max_norm / norm), on the device: no host read there."""
         coefficient = (max_norm / (norm + 1e-6)).clamp(max=1.0)
         # on the CPU reading it costs nothing, and a factor of exactly 1 (nothing clipped: most steps
         # once training settles) changes no bit, so that pass over every gradient is left out there
-        # (a NaN factor, `nonfinite: off`, still multiplies)
-        if coefficient.device.type != "cpu" or not float(coefficient) >= 1.0:
+        # (a NaN factor, `nonfinite: off`, still multiplies); a capturable step reads nothing
+        if self.capturable or coefficient.device.type != "cpu" or not float(coefficient) >= 1.0:
             for proxy in proxies:
                 proxy.grad.mul_(coefficient.to(proxy.grad.device, proxy.grad.dtype))
 
@@ -231,6 +260,20 @@ class Precision:
         if norm is not None and not bool(nonfinite.read_flag(~torch.isfinite(norm))):
             return False
         return self.guard.any_overflow(grads)
+
+    def found_nonfinite(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        """A capturable step's overflow: 1.0 when any rank's gradients hold inf or nan or its previous step
+        wrote them, else 0.0; 0-dim, fp32, on the device, agreed over the ranks; no host read.
+        Torch's fused optimizers skip their update where it is 1 (their `found_inf`)."""
+        flag = self.guard.device_flag(grads)
+        self.skips += torch.stack([flag.reshape(()) > 0, flag.reshape(()) >= 2]).to(self.skips.dtype)
+        return (flag > 0).to(torch.float32).reshape(())
+
+    def read_skips(self) -> tuple[int, int]:
+        """The steps a capturable step skipped so far, and how many of them for the previous step's
+        writes (a host read; the engine's report makes it)."""
+        skipped, for_writes = nonfinite.read_counts(self.skips)
+        return int(skipped), int(for_writes)
 
     # 3. After the step, taken or skipped.
 
@@ -251,10 +294,10 @@ class Precision:
             # attributed to the caller of engine.step(), through Engine._optimizer_step and _skip_step
             warnings.warn(f"step {step} skipped: gradients hold inf or nan (nonfinite: skip)", stacklevel=5)
 
-    def after_step(self) -> None:
-        """A step taken: the scale may go up."""
+    def after_step(self, found: torch.Tensor | None = None) -> None:
+        """A step taken: the scale may go up. A capturable step passes its device flag instead."""
         if self.scaler is not None:
-            self.scaler.update(False)
+            self.scaler.update(False if found is None else found)
 
     def check_learning_rates(self, param_groups: list[dict], lr_scheduler) -> None:
         """Refuse a learning rate that is not finite or beyond the range of the model's dtype: every step

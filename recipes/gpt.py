@@ -30,6 +30,7 @@ import torch.nn.functional as F
 
 from moe import split_params_into_different_moe_groups_for_optimizer
 from optim import CheckpointError, ConfigTypeError, initialize, read_client_state
+from optim.graphs import GraphedStep
 from recipes.common import runner
 from recipes.common.cli import (built, engine_config, fail, flag_names, flag_parser, keep_last_field, noisy_gate_policy,
                                 noisy_gate_policy_field, require_at_least, require_positive, resume_field, saved_recipe,
@@ -53,6 +54,9 @@ class TrainConfig:
     dropout: float = 0.0
     dense: bool = field(default=False, metadata={"help": "the dense twin: no MoE blocks"})
     compile: bool = field(default=False, metadata={"help": "torch.compile the model (Inductor); the first steps compile"})
+    cuda_graphs: bool = field(default=False, metadata={
+        "help": "capture the whole training step as a CUDA graph and replay it (optim.graphs; CUDA, padded layout "
+                "with dropping or grouped without expert parallelism, ZeRO 0-2, no gradient accumulation)"})
     moe_every: int = field(default=2, metadata={"help": "MoE feed-forward in every n-th block"})
     num_experts: int = 8
     top_k: int = 2
@@ -239,6 +243,9 @@ def train(cfg: TrainConfig, given: set[str], rank: int, world: int) -> dict:
             {"params": list(model.parameters()), "name": "dense"})
         engine, *_ = initialize(model, model_parameters=groups, config=engine_config(engine_fragments(cfg), given,
                                                                                      cfg.config))
+        step_fn = (lambda x, y: train_step(engine, cfg, x, y))
+        if cfg.cuda_graphs:
+            step_fn = GraphedStep(engine, step_fn, report_every=cfg.log_interval)
     except (OSError, ConfigTypeError, ValueError) as error:
         raise SetupError(str(error)) from None
     unigram = unigram_baseline(train_tokens, val_tokens)
@@ -258,18 +265,22 @@ def train(cfg: TrainConfig, given: set[str], rank: int, world: int) -> dict:
     progress.message(f"model: {'dense' if cfg.dense else 'MoE'}, {total_params:,} parameters, {active_params:,} active "
                      f"per token; {world} process(es), ep {cfg.ep_world_size}, ZeRO stage {engine.stage}, {cfg.dtype}")
     history = {"train": [], "val": [], "tokens_per_s": [], "max_vio": [], "dropped_fraction": []}
+    losses, routing = [], None  # the losses are read on the host at each progress line, not at each step
     for step in range(first_step + 1, cfg.steps + 1):
         for micro in range(engine.accumulation):
-            loss = train_step(engine, cfg, *train_batch(train_tokens, cfg, step, micro, rank))
-        history["train"].append((step, loss.item()))
-        if engine.last_routing_stats:  # the step's routing over all ranks, mean over MoE layers
-            layers = engine.last_routing_stats
+            loss = step_fn(*train_batch(train_tokens, cfg, step, micro, rank))
+        losses.append((step, loss.clone() if cfg.cuda_graphs else loss))  # a graph's loss is overwritten
+        if engine.last_routing_stats and engine.last_routing_stats is not routing:  # a new step's, over all ranks
+            routing = layers = engine.last_routing_stats  # (with --cuda-graphs, read at each progress line)
             history["max_vio"].append((step, sum(s.max_vio for s in layers) / len(layers)))
             history["dropped_fraction"].append((step, sum(s.dropped_fraction for s in layers) / len(layers)))
+        if step % cfg.log_interval == 0 or step == cfg.steps or step % cfg.eval_interval == 0:
+            history["train"] += zip([s for s, _ in losses], torch.stack([value for _, value in losses]).tolist())
+            losses = []
         if step % cfg.log_interval == 0 or step == cfg.steps:
             rate = progress.rate(step)
             history["tokens_per_s"].append(rate)
-            progress.line(step, rate, loss=loss.item(), lr=f"{engine.get_lr()[0]:.2e}")
+            progress.line(step, rate, loss=history["train"][-1][1], lr=f"{engine.get_lr()[0]:.2e}")
             if engine.monitor is not None:
                 engine.monitor.scalars(step, {"Train/tokens_per_s": rate})
         if step % cfg.eval_interval == 0 or step == cfg.steps:

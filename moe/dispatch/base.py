@@ -70,9 +70,12 @@ class Dispatcher(abc.ABC):
     Attributes:
         grouped_gemm: how the experts run packed rows: one grouped GEMM (True), products per expert
             (False), or on the CPU whichever was measured faster (None).
+        reads_counts: a forward reads its row counts on the host (one sync, and buffers sized by the
+            routing), which a CUDA graph cannot capture.
     """
 
     grouped_gemm: bool | None = False
+    reads_counts: bool = True
 
     @abc.abstractmethod
     def dispatch(self, x_SM: torch.Tensor, routing) -> Dispatched:

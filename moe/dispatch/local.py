@@ -21,6 +21,8 @@ __all__ = ["Grouped", "Packed", "Padded"]
 class Padded(Dispatcher):
     """The capacity buffer: every expert gets C rows, filled by slot, the empty ones zero."""
 
+    reads_counts = False
+
     def dispatch(self, x_SM: torch.Tensor, routing) -> Dispatched:
         row_SK = buffer_rows(routing.expert_idx_SK, routing.slot_SK, capacity=routing.capacity)
         buffer_NM, tokens = permute_tokens(x_SM, row_SK, routing.weight_SK, routing.num_experts * routing.capacity)
@@ -63,6 +65,8 @@ class Grouped(Packed):
     GEMM cannot be traced in fp32 (its meta function takes bf16 only), so there the packed dispatch
     runs, with its one host read.
     """
+
+    reads_counts = False  # but compiled on the CPU, where the packed dispatch runs
 
     def __init__(self):
         super().__init__(grouped_gemm=True)

@@ -270,7 +270,7 @@ class TopKGate(torch.nn.Module):
         return self.global_counts.clone()
 
     @torch.no_grad()
-    def update_routing(self, *, skipped: bool = False) -> None:
+    def update_routing(self, *, skipped: bool | torch.Tensor = False) -> None:
         """Advance the balancing state after an optimizer step; call it on every rank after optimizer.step().
 
         With bias_update_speed u > 0, b_i += u * sign(mean_j c_j - c_i), c_i the choices routed to expert
@@ -280,16 +280,22 @@ class TopKGate(torch.nn.Module):
 
         Args:
             skipped: the optimizer step was skipped (an fp16 overflow): counts are cleared, the bias kept.
+                A device flag (nonzero: skipped) from a step that reads nothing on the host (a CUDA graph's).
         """
         if self.expert_bias is not None:
-            if not skipped:
+            on_device = isinstance(skipped, torch.Tensor)
+            if on_device or not skipped:
                 if self.global_counts is not None:  # already summed over the data-parallel group
                     counts_E = self.global_counts
                 else:
                     counts_E = self.step_counts.clone()
                     if dist.is_available() and dist.is_initialized():
                         dist.all_reduce(counts_E, group=self.dp_group)
-                update_bias(self.expert_bias, counts_E, self.config.bias_update_speed)
+                if on_device:  # the moved bias, kept where the step was taken
+                    moved = update_bias(self.expert_bias.clone(), counts_E, self.config.bias_update_speed)
+                    self.expert_bias.copy_(torch.where(skipped.reshape(()) != 0, self.expert_bias, moved))
+                else:
+                    update_bias(self.expert_bias, counts_E, self.config.bias_update_speed)
             self.step_counts.zero_()
         if self.global_counts is not None:
             self.global_counts.zero_()
