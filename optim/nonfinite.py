@@ -12,7 +12,7 @@ import math
 import torch
 import torch.distributed as dist
 
-__all__ = ["NonfiniteGuard", "nonfinite_flag", "read_counts", "read_flag"]
+__all__ = ["NonfiniteGuard", "nonfinite_flag", "read_flag", "read_skip_counts"]
 
 
 def read_flag(flag: torch.Tensor) -> float:
@@ -20,7 +20,7 @@ def read_flag(flag: torch.Tensor) -> float:
     return float(flag.item())
 
 
-def read_counts(counts: torch.Tensor) -> list[int]:
+def read_skip_counts(counts: torch.Tensor) -> list[int]:
     """A capturable step's skip counters read on the host (a sync), when the engine reports, not in a step."""
     return [int(value) for value in counts.tolist()]
 

@@ -272,7 +272,7 @@ class Precision:
     def read_skips(self) -> tuple[int, int]:
         """The steps a capturable step skipped so far, and how many of them for the previous step's
         writes (a host read; the engine's report makes it)."""
-        skipped, for_writes = nonfinite.read_counts(self.skips)
+        skipped, for_writes = nonfinite.read_skip_counts(self.skips)
         return int(skipped), int(for_writes)
 
     # 3. After the step, taken or skipped.

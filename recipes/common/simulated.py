@@ -12,8 +12,13 @@ reads go through a few named functions, which `HostReads` answers here:
   `moe.dispatch.expert_parallel.read_exchange`, `moe.dispatch.per_rank.read_pair_exchange`):
   every rank is taken to keep `rows_per_rank` rows per MoE layer, spread evenly;
 - the overflow flag (`optim.nonfinite.read_flag`: fp16's, or the non-finite guard of fp32/bf16 steps): no overflow;
+- a capturable step's skip counters (`optim.nonfinite.read_skip_counts`, when the engine reports): none skipped;
 - TensorBoard's summed statistics (`optim.monitor.read_stats`): zeros;
 - the recipes' evaluation sums (`recipes.common.training.read_sums`): ones.
+
+The optimizer is torch's fused one, as on a GPU: meta counts as a device its fused kernels run on,
+and the in-place fused steps torch registers no meta kernel for (a tensor learning rate, SGD) get one
+that checks their tensors' devices and changes nothing.
 
 `simulated_world(world_size, rank)` also points the engine at the meta device and lets fully_shard
 work on a "meta" mesh (FSDP asks the mesh's device module for streams and its current device, which
@@ -72,6 +77,11 @@ class HostReads:
         self.reads.append("overflow flag")
         return False
 
+    def read_skip_counts(self, counts: torch.Tensor) -> list[int]:
+        assert counts.device == META, f"the skip counters are on {counts.device}"
+        self.reads.append("skips")
+        return [0] * counts.numel()
+
     def read_stats(self, flat: torch.Tensor) -> torch.Tensor:
         assert flat.device == META, f"the statistics are on {flat.device}"
         self.reads.append("statistics")
@@ -105,6 +115,34 @@ def _fsdp_on_meta(stack: contextlib.ExitStack) -> None:
                                           lambda mesh: torch.device(mesh.device_type)))
     stack.enter_context(mock.patch.object(_fsdp_param_group.FSDPParamGroup, "_validate_no_meta_params",
                                           lambda self: None))
+
+
+_FUSED_STEPS = ("_fused_adamw_.tensor_lr", "_fused_adam_.tensor_lr", "_fused_sgd_", "_fused_sgd_.tensor_lr")
+_meta_steps = None  # the library holding their meta kernels, registered once per process
+
+
+def _fused_step_on_meta(*args, **kwargs) -> None:
+    tensors = [t for arg in (*args, *kwargs.values()) for t in (arg if isinstance(arg, (list, tuple)) else [arg])
+               if isinstance(t, torch.Tensor)]
+    assert all(t.device == META for t in tensors), "a fused optimizer step met a tensor off the device"
+
+
+def _fused_optimizers_on_meta(stack: contextlib.ExitStack) -> None:
+    global _meta_steps
+    from torch.optim import optimizer as torch_optimizer
+
+    from optim import optimizer
+
+    if _meta_steps is None:
+        _meta_steps = torch.library.Library("aten", "IMPL")
+        for name in _FUSED_STEPS:
+            overload = getattr(getattr(torch.ops.aten, name.split(".")[0]), (name.split(".") + ["default"])[1])
+            if not torch._C._dispatch_has_kernel_for_dispatch_key(overload.name(), "Meta"):
+                _meta_steps.impl(name, _fused_step_on_meta, "Meta")
+    devices = torch_optimizer._get_fused_kernels_supported_devices
+    stack.enter_context(mock.patch.object(torch_optimizer, "_get_fused_kernels_supported_devices",
+                                          lambda: [*devices(), "meta"]))
+    stack.enter_context(mock.patch.object(optimizer, "_FUSED_DEVICES", {*optimizer._FUSED_DEVICES, "meta"}))
 
 
 def _clear_dtensor_caches() -> None:
@@ -149,9 +187,11 @@ def simulated_world(world_size: int, rank: int = 0, rows_per_rank: int = 0):
             stack.enter_context(mock.patch.dict("os.environ", {"MOE_KERNELS": "triton"}))
             for module, name in ((local, "read_counts"), (expert_parallel, "read_exchange"),
                                  (per_rank, "read_pair_exchange"),
-                                 (nonfinite, "read_flag"), (monitor, "read_stats"), (training, "read_sums")):
+                                 (nonfinite, "read_flag"), (nonfinite, "read_skip_counts"), (monitor, "read_stats"),
+                                 (training, "read_sums")):
                 stack.enter_context(mock.patch.object(module, name, getattr(reads, name)))
             _fsdp_on_meta(stack)
+            _fused_optimizers_on_meta(stack)
             yield reads
     finally:
         reset_groups()
