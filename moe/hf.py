@@ -16,8 +16,9 @@ the k largest logits, which is the softmax over all experts renormalised over th
 (`norm_topk_prob`): the same weights up to rounding.
 
 The converted block returns what the original does (the hidden states; GPT-OSS's also each token's k
-routing weights); our `l_aux`, `z_loss` and routing statistics stay on the layer (`block.moe`). transformers records router logits by hooking its own
-router class, which a converted block no longer holds: use `l_aux` instead of `output_router_logits`.
+routing weights); our `l_aux`, `z_loss` and routing statistics stay on the layer (`block.moe`).
+transformers records router logits by hooking its own router class, which a converted block no longer
+holds: use `l_aux` instead of `output_router_logits`.
 """
 
 import torch
@@ -42,7 +43,7 @@ DEEPSEEK_V3_BIAS_UPDATE_SPEED = 1e-3
 
 
 class SwiGLU(nn.Module):
-    """One gated expert, as the supported models' experts compute: down(act(gate(x)) * up(x)), no biases.
+    """One gated expert as Mixtral, Qwen-MoE, DeepSeek-V3 and OLMoE have them: down(act(gate(x)) * up(x)), no biases.
 
     Args:
         hidden_size: M.
@@ -199,9 +200,8 @@ def _build(block: nn.Module, model_type: str, config, ep_size: int, expert_layou
     hidden = expert.down_proj.out_features
     shared = getattr(block, "shared_expert", None) or getattr(block, "shared_experts", None)
     options = {**_routing_options(block, model_type, config, bias_update_speed), **kwargs}
-    moe = MoE(hidden, expert, num_experts, ep_size=ep_size, k=router.top_k, dropless=True,
-              expert_layout=expert_layout, shared_expert=shared, shared_expert_gate=hasattr(block, "shared_expert_gate"),
-              **options)
+    moe = MoE(hidden, expert, num_experts, ep_size=ep_size, k=router.top_k, dropless=True, expert_layout=expert_layout,
+              shared_expert=shared, shared_expert_gate=hasattr(block, "shared_expert_gate"), **options)
     if moe._pending:
         raise RuntimeError(f"convert with ep_size ({ep_size}) > 1 needs torch.distributed initialised first, so "
                            f"that each rank loads its own experts")

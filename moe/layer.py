@@ -173,9 +173,10 @@ class MoE(nn.Module):
         seed: the seed for expert_init="per_expert_seed".
         use_data_before_expert_parallel: DeepSpeed's alternative rank layout (see parallel.groups).
         scoring_func, norm_topk_prob, routed_scaling_factor, bias_update_speed, load_balancing_type,
-        n_group, topk_group, routing, router_bias: the router (see `TopKGateConfig`, `topkgating`, `moe.router.balancing`,
-            `moe.router.expert_choice`). With bias_update_speed > 0 or global_aux_loss, the engine advances the
-            gate after each optimizer step; a plain-torch loop calls `moe.update_routing(model)`.
+        n_group, topk_group, routing, router_bias: the router (see `TopKGateConfig`, `topkgating`,
+            `moe.router.balancing`, `moe.router.expert_choice`). With bias_update_speed > 0 or global_aux_loss,
+            the engine advances the gate after each optimizer step; a plain-torch loop calls
+            `moe.update_routing(model)`.
             routing="expert_choice" uses other tokens of the batch to route each one, so in a causal
             language model it leaks information across positions.
         n_shared_experts: n > 0 adds a dense MLP of n experts' width (a plain-MLP `expert` is widened

@@ -7,8 +7,8 @@ without the newer options (DeepSpeed's results, the softmax summed in SIMD order
 `moe.router.scoring.expert_softmax`), `topkgating` at any k once sigmoid scoring, a bias, groups, or
 explicit weight normalisation or scaling is asked for, and
 `expert_choice_gating` for routing="expert_choice". The linear map may have a bias (router_bias, as
-GPT-OSS's router). State that lives across forwards (the expert
-bias, the step's routed counts) is kept here and advanced by `update_routing` after each optimizer step.
+GPT-OSS's router has). State that lives across forwards (the expert bias, the step's routed counts) is
+kept here and advanced by `update_routing` after each optimizer step.
 """
 
 from dataclasses import dataclass

@@ -280,8 +280,9 @@ def _stage3_against_stage0(rank, world, folder):
 def test_stage_3_trains_a_converted_model_as_stage_0_and_its_checkpoint_loads_at_ep_1(tmp_path):
     """DeepSeek-V3 (shared experts, a dense first layer, the moving expert bias), AdamW, 3 steps: 2 ranks at
     ep_size 2, stage 3 and stage 0, and one process at stage 3 on both ranks' batches give the same losses
-    and weights (1e-5 relative); restore refuses stage 3's sharded parameters; its checkpoint loads into one process at ep_size 1 with every weight
-    and the bias as saved, and restored and saved, transformers reads it back."""
+    and weights (1e-5 relative); restore refuses stage 3's sharded parameters; its checkpoint loads into one
+    process at ep_size 1 with every weight and the bias as saved, and restored and saved, transformers reads
+    it back."""
     folder = str(tmp_path)
     run_distributed(_stage3_against_stage0, 2, folder)
     saved = torch.load(os.path.join(folder, "ep2.pt"), weights_only=True)

@@ -42,7 +42,8 @@ def _loads_changed(out, original) -> torch.Tensor:
 def test_finetune_lowers_the_loss_logs_and_saves_a_model_transformers_loads(tmp_path):
     original = _saved_mixtral(tmp_path / "tiny")
     result = finetune.main(["--hf", str(tmp_path / "tiny"), "--steps", "8", "--seq-len", "16", "--lr", "1e-2",
-                            "--stage", "3", "--log-dir", str(tmp_path / "runs"), "--run-name", "run", "--out", str(tmp_path / "out")])
+                            "--stage", "3", "--log-dir", str(tmp_path / "runs"), "--run-name", "run",
+                            "--out", str(tmp_path / "out")])
     losses = [loss for _, loss in result["losses"]]
     assert len(losses) == 8 and losses[-1] < losses[0]
     assert list((tmp_path / "runs" / "run").glob("events.out.tfevents.*"))
