@@ -5,15 +5,20 @@ experts of a model converted at ep_size > 1 over each layer's expert-parallel gr
 Shape legend: S tokens, M model dim, H expert hidden dim, E experts.
 
 Supported (transformers >= 5, whose blocks hold their experts as stacked tensors; imported lazily, so
-`import moe` never needs it): Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3 and OLMoE. The experts of these models are SwiGLU MLPs,
-`down(act(x W_gate) * (x W_up))`, which our stacked experts do not hold (they are Linear-act-Linear),
-so each expert is a small `SwiGLU` module copied per expert. Routing maps onto the router options:
-softmax or sigmoid scores, `norm_topk_prob`, `routed_scaling_factor`, the expert bias
-(DeepSeek-V3's `e_score_correction_bias`) and group-limited top-k; nothing is dropped (`dropless`).
+`import moe` never needs it): Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3, OLMoE and GPT-OSS. The
+experts of these models are gated MLPs, `down(act(x W_gate) * (x W_up))` (GPT-OSS's with biases and
+clamped, `ClampedSwiGLU`), which our stacked experts do not hold (they are Linear-act-Linear), so
+each expert is a small module copied per expert. Routing maps onto the router options: softmax or
+sigmoid scores, `norm_topk_prob`, `routed_scaling_factor`, the expert bias (DeepSeek-V3's
+`e_score_correction_bias`, moved after each optimizer step by `bias_update_speed`), group-limited
+top-k, and a router bias (GPT-OSS); nothing is dropped (`dropless`). GPT-OSS takes the softmax over
+the k largest logits, which is the softmax over all experts renormalised over the k chosen
+(`norm_topk_prob`): the same weights up to rounding.
 
-The converted block returns the hidden states, as the original does; our `l_aux`, `z_loss` and routing
-statistics stay on the layer (`block.moe`). transformers records router logits by hooking its own
-router class, which a converted block no longer holds: use `l_aux` instead of `output_router_logits`.
+The converted block returns what the original does (the hidden states; GPT-OSS's also each token's k
+routing weights); our `l_aux`, `z_loss` and routing statistics stay on the layer (`block.moe`).
+transformers records router logits by hooking its own router class, which a converted block no longer
+holds: use `l_aux` instead of `output_router_logits`.
 """
 
 import torch
@@ -22,18 +27,23 @@ from torch import nn
 
 from moe.layer import MoE
 
-__all__ = ["SUPPORTED", "HFMoEBlock", "SwiGLU", "convert", "restore"]
+__all__ = ["DEEPSEEK_V3_BIAS_UPDATE_SPEED", "SUPPORTED", "ClampedSwiGLU", "HFMoEBlock", "SwiGLU", "convert",
+           "restore"]
 
 # the sparse block of each supported architecture, by class name, and its model_type
 _BLOCKS = {
     "MixtralSparseMoeBlock": "mixtral", "Qwen2MoeSparseMoeBlock": "qwen2_moe",
     "Qwen3MoeSparseMoeBlock": "qwen3_moe", "DeepseekV3MoE": "deepseek_v3", "OlmoeSparseMoeBlock": "olmoe",
+    "GptOssMLP": "gpt_oss",
 }
 SUPPORTED = tuple(_BLOCKS.values())
 
+# DeepSeek-V3's bias update speed (gamma in its report): the default for a converted DeepSeek-V3
+DEEPSEEK_V3_BIAS_UPDATE_SPEED = 1e-3
+
 
 class SwiGLU(nn.Module):
-    """One gated expert, as the supported models' experts compute: down(act(gate(x)) * up(x)), no biases.
+    """One gated expert as Mixtral, Qwen-MoE, DeepSeek-V3 and OLMoE have them: down(act(gate(x)) * up(x)), no biases.
 
     Args:
         hidden_size: M.
@@ -52,6 +62,30 @@ class SwiGLU(nn.Module):
         return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
 
 
+class ClampedSwiGLU(nn.Module):
+    """GPT-OSS's expert: g = gate(x) clamped above at limit, u = up(x) clamped to [-limit, limit],
+    down((u + 1) * g * sigmoid(alpha * g)); every projection has a bias.
+
+    Args:
+        hidden_size: M.
+        intermediate_size: H.
+        alpha: the sigmoid's slope (config.swiglu_alpha).
+        limit: the clamp (config.swiglu_limit).
+    """
+
+    def __init__(self, hidden_size: int, intermediate_size: int, alpha: float, limit: float):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size)
+        self.alpha, self.limit = alpha, limit
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate = self.gate_proj(x).clamp(max=self.limit)
+        up = self.up_proj(x).clamp(min=-self.limit, max=self.limit)
+        return self.down_proj((up + 1) * gate * torch.sigmoid(gate * self.alpha))
+
+
 class HFMoEBlock(nn.Module):
     """A transformers sparse MoE block run by `moe.MoE`; forward returns what the original block returns.
 
@@ -59,38 +93,50 @@ class HFMoEBlock(nn.Module):
         moe: the MoE layer holding the block's router, experts and shared expert.
         block_class: the original block's class (for `restore`).
         config: the model's config (for `restore`).
+        model_type: the architecture (its config's model_type).
     """
 
-    def __init__(self, moe: MoE, block_class: type, config):
+    def __init__(self, moe: MoE, block_class: type, config, model_type: str):
         super().__init__()
         self.moe = moe
         self.block_class = block_class
         self.config = config
+        self.model_type = model_type
 
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         output, _, _ = self.moe(hidden_states)
-        return output
+        if self.model_type != "gpt_oss":
+            return output
+        # GPT-OSS's block also returns each token's k routing weights, [S, k] (its decoder layer drops them)
+        return output, self.moe.deepspeed_moe.routing.weight_SK.to(output.dtype)
 
 
 def _check_model(model: nn.Module) -> str:
     """The model's architecture (its config's model_type), or ValueError when it is not supported."""
     model_type = getattr(getattr(model, "config", None), "model_type", None)
-    if model_type == "gpt_oss":
-        raise ValueError("gpt_oss is not supported: its router has a bias and takes the softmax after top-k, and its "
-                         "experts have biases and a clamped SwiGLU; supported architectures: " + ", ".join(SUPPORTED))
     if model_type not in SUPPORTED:
         raise ValueError(f"convert supports transformers models of {', '.join(SUPPORTED)}, got model_type "
                          f"{model_type!r}")
     return model_type
 
 
-def _routing_options(block: nn.Module, model_type: str, config) -> dict:
+def _router(block: nn.Module) -> nn.Module:
+    return block.router if hasattr(block, "router") else block.gate
+
+
+def _routing_options(block: nn.Module, model_type: str, config, bias_update_speed: float | None) -> dict:
     """The MoE keywords that route as the block's router does."""
-    router = block.gate
+    router = _router(block)
     if model_type == "deepseek_v3":
+        speed = DEEPSEEK_V3_BIAS_UPDATE_SPEED if bias_update_speed is None else bias_update_speed
         return {"scoring_func": "sigmoid", "norm_topk_prob": bool(router.norm_topk_prob),
                 "routed_scaling_factor": float(router.routed_scaling_factor), "n_group": router.num_group,
-                "topk_group": router.topk_group}
+                "topk_group": router.topk_group, "bias_update_speed": speed}
+    if bias_update_speed is not None and bias_update_speed != 0:
+        raise ValueError(f"bias_update_speed ({bias_update_speed}) moves an expert bias, which of the supported "
+                         f"architectures only deepseek_v3 has; {model_type} has none to save it in: leave it None")
+    if model_type == "gpt_oss":  # softmax over the k largest logits = softmax renormalised over the k chosen
+        return {"norm_topk_prob": True, "router_bias": True}
     options = {"norm_topk_prob": bool(getattr(router, "norm_topk_prob", True))}  # Mixtral always renormalises
     jitter = getattr(config, "router_jitter_noise", 0.0) or 0.0
     if jitter:
@@ -100,70 +146,121 @@ def _routing_options(block: nn.Module, model_type: str, config) -> dict:
     return options
 
 
-def _build(block: nn.Module, model_type: str, config, ep_size: int, expert_layout: str, **kwargs) -> HFMoEBlock:
+def _expert(experts: nn.Module, model_type: str) -> tuple[nn.Module, int]:
+    """A module computing one of the block's experts (weights to be copied in), and E."""
+    if model_type == "gpt_oss":  # gate_up_proj [E, M, 2H] (gate and up columns interleaved), down_proj [E, H, M]
+        num_experts, intermediate, hidden = experts.down_proj.shape
+        return ClampedSwiGLU(hidden, intermediate, experts.alpha, experts.limit), num_experts
+    num_experts, hidden, intermediate = experts.down_proj.shape  # gate_up_proj [E, 2H, M], down_proj [E, M, H]
+    return SwiGLU(hidden, intermediate, experts.act_fn), num_experts
+
+
+def _load_expert(expert: nn.Module, experts: nn.Module, e: int, model_type: str) -> None:
+    """Copy expert e of the block's stacked tensors into `expert`."""
+    if model_type == "gpt_oss":
+        gate_up_MX, bias_X = experts.gate_up_proj[e], experts.gate_up_proj_bias[e]
+        expert.gate_proj.weight.copy_(gate_up_MX[:, 0::2].t())
+        expert.gate_proj.bias.copy_(bias_X[0::2])
+        expert.up_proj.weight.copy_(gate_up_MX[:, 1::2].t())
+        expert.up_proj.bias.copy_(bias_X[1::2])
+        expert.down_proj.weight.copy_(experts.down_proj[e].t())
+        expert.down_proj.bias.copy_(experts.down_proj_bias[e])
+        return
+    w_gate, w_up = experts.gate_up_proj[e].chunk(2, dim=0)
+    expert.gate_proj.weight.copy_(w_gate)
+    expert.up_proj.weight.copy_(w_up)
+    expert.down_proj.weight.copy_(experts.down_proj[e])
+
+
+def _interleaved(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """GPT-OSS's layout of the last dimension: gate and up alternate (g0, u0, g1, u1, ...)."""
+    return torch.stack([gate, up], dim=-1).flatten(-2)
+
+
+def _stacked(experts: list[nn.Module], model_type: str) -> dict[str, torch.Tensor]:
+    """The block's stacked expert tensors, by name, for the given expert modules (in their order)."""
+    if model_type == "gpt_oss":
+        return {"gate_up_proj": torch.stack([_interleaved(e.gate_proj.weight.t(), e.up_proj.weight.t())
+                                             for e in experts]),
+                "gate_up_proj_bias": torch.stack([_interleaved(e.gate_proj.bias, e.up_proj.bias) for e in experts]),
+                "down_proj": torch.stack([e.down_proj.weight.t() for e in experts]),
+                "down_proj_bias": torch.stack([e.down_proj.bias for e in experts])}
+    return {"gate_up_proj": torch.stack([torch.cat([e.gate_proj.weight, e.up_proj.weight]) for e in experts]),
+            "down_proj": torch.stack([e.down_proj.weight for e in experts])}
+
+
+def _build(block: nn.Module, model_type: str, config, ep_size: int, expert_layout: str,
+           bias_update_speed: float | None, **kwargs) -> HFMoEBlock:
     """The MoE layer for one block, with the block's weights; this rank's experts only under ep_size > 1."""
     if not hasattr(block.experts, "gate_up_proj"):
         raise ValueError(f"{type(block).__name__} holds its experts as modules (transformers < 5); convert reads the "
                          f"stacked gate_up_proj and down_proj of transformers >= 5")
-    gate_up_EXM, down_EMH = block.experts.gate_up_proj, block.experts.down_proj
-    num_experts, hidden, intermediate = down_EMH.shape[0], down_EMH.shape[1], down_EMH.shape[2]
+    router = _router(block)
+    expert, num_experts = _expert(block.experts, model_type)
+    hidden = expert.down_proj.out_features
     shared = getattr(block, "shared_expert", None) or getattr(block, "shared_experts", None)
-    options = {**_routing_options(block, model_type, config), **kwargs}
-    moe = MoE(hidden, SwiGLU(hidden, intermediate, block.experts.act_fn), num_experts, ep_size=ep_size,
-              k=block.gate.top_k, dropless=True, expert_layout=expert_layout, shared_expert=shared,
-              shared_expert_gate=hasattr(block, "shared_expert_gate"), **options)
+    options = {**_routing_options(block, model_type, config, bias_update_speed), **kwargs}
+    moe = MoE(hidden, expert, num_experts, ep_size=ep_size, k=router.top_k, dropless=True, expert_layout=expert_layout,
+              shared_expert=shared, shared_expert_gate=hasattr(block, "shared_expert_gate"), **options)
     if moe._pending:
         raise RuntimeError(f"convert with ep_size ({ep_size}) > 1 needs torch.distributed initialised first, so "
                            f"that each rank loads its own experts")
-    dtype, device = down_EMH.dtype, down_EMH.device
+    dtype, device = block.experts.down_proj.dtype, block.experts.down_proj.device
     moe.to(device)
     moe.deepspeed_moe.experts.to(dtype)
     gate = moe.deepspeed_moe.gate
     with torch.no_grad():
-        gate.wg.weight.copy_(block.gate.weight)
+        gate.wg.weight.copy_(router.weight)
+        if gate.wg.bias is not None:
+            gate.wg.bias.copy_(router.bias)
         first = moe.ep_rank * moe.num_local_experts
         for local, expert in enumerate(moe.deepspeed_moe.experts.deepspeed_experts):
-            w_gate, w_up = gate_up_EXM[first + local].chunk(2, dim=0)
-            expert.gate_proj.weight.copy_(w_gate)
-            expert.up_proj.weight.copy_(w_up)
-            expert.down_proj.weight.copy_(down_EMH[first + local])
+            _load_expert(expert, block.experts, first + local, model_type)
         if moe.shared_expert_gate is not None:
             moe.shared_expert_gate.to(device=device, dtype=dtype)
             moe.shared_expert_gate.weight.copy_(block.shared_expert_gate.weight)
-    bias = getattr(block.gate, "e_score_correction_bias", None)
+    bias = getattr(router, "e_score_correction_bias", None)
     if bias is not None:
         if gate.expert_bias is None:  # a fixed bias: the counts buffer lets update_routing run (moving it by 0)
             gate.expert_bias = torch.zeros(num_experts, device=device)
             gate.step_counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
         gate.expert_bias.copy_(bias.float())
-    return HFMoEBlock(moe, type(block), config)
+    return HFMoEBlock(moe, type(block), config, model_type)
 
 
-def convert(model: nn.Module, ep_size: int = 1, expert_layout: str = "auto", **kwargs) -> nn.Module:
+def convert(model: nn.Module, ep_size: int = 1, expert_layout: str = "auto", bias_update_speed: float | None = None,
+            **kwargs) -> nn.Module:
     """Replace every sparse MoE block of a transformers model, in place, by our layer with the same weights.
 
     Dense layers (DeepSeek-V3's first layers, Qwen's mlp_only_layers) stay as they are. The converted
     model computes what the original does: the same routing (softmax or sigmoid scores, expert bias,
-    group limits, renormalisation, scaling), no dropped tokens, the same experts and shared experts.
+    group limits, router bias, renormalisation, scaling), no dropped tokens, the same experts and
+    shared experts.
 
     Args:
-        model: a Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3 or OLMoE transformers model.
+        model: a Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3, OLMoE or GPT-OSS transformers model.
         ep_size: expert-parallel size; > 1 needs torch.distributed initialised (each rank keeps its experts).
         expert_layout: our layer's expert layout ("auto", "packed" or "grouped"; dropless excludes "padded").
-        **kwargs: further `moe.MoE` keywords (load_balancing_type, bias_update_speed, exchange, ...).
+        bias_update_speed: DeepSeek-V3's expert bias moves by this much after each optimizer step
+            (auxiliary-loss-free balancing: the engine advances it; a plain-torch loop calls
+            `moe.update_routing(model)`); 0 keeps it fixed. None: DEEPSEEK_V3_BIAS_UPDATE_SPEED for
+            DeepSeek-V3; the other architectures have no expert bias and take only None or 0.
+        **kwargs: further `moe.MoE` keywords (load_balancing_type, exchange, ...).
 
     Returns:
         the model, its blocks replaced by `HFMoEBlock`s.
 
     Raises:
-        ValueError: the model's architecture is not supported.
+        ValueError: the model's architecture is not supported; a bias_update_speed for a model without an
+            expert bias.
     """
     model_type = _check_model(model)
     blocks = [(name, module) for name, module in model.named_modules() if type(module).__name__ in _BLOCKS]
     for name, block in blocks:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name)
-        setattr(parent, child, _build(block, model_type, model.config, ep_size, expert_layout, **kwargs))
+        setattr(parent, child, _build(block, model_type, model.config, ep_size, expert_layout, bias_update_speed,
+                                      **kwargs))
     return model
 
 
@@ -181,6 +278,16 @@ def _gathered(local: torch.Tensor, moe: MoE) -> torch.Tensor:
     return torch.cat([slices[order.index(ep_rank)] for ep_rank in range(moe.ep_size)])
 
 
+def _check_whole(adapter: HFMoEBlock) -> None:
+    """Restore reads whole parameters: a layer sharded by ZeRO stage 3 (fully_shard's DTensors) has none."""
+    from torch.distributed.tensor import DTensor
+
+    if any(isinstance(p, DTensor) for p in adapter.parameters()):
+        raise ValueError("restore needs whole parameters, and this model's are sharded (ZeRO stage 3): load "
+                         "engine.consolidated_state_dict() into a one-process converted copy of the model and "
+                         "restore that (docs/hf.md)")
+
+
 def _original(adapter: HFMoEBlock) -> nn.Module:
     """A block of the original class carrying the adapter's weights (every expert's, gathered over the
     expert-parallel group when the layer has ep_size > 1)."""
@@ -188,20 +295,20 @@ def _original(adapter: HFMoEBlock) -> nn.Module:
     experts = moe.deepspeed_moe.experts.deepspeed_experts
     reference = experts[0].down_proj.weight
     block = adapter.block_class(adapter.config).to(device=reference.device, dtype=reference.dtype)
+    router, gate = _router(block), moe.deepspeed_moe.gate
     with torch.no_grad():
-        gate_up_EXM = _gathered(torch.stack([torch.cat([e.gate_proj.weight, e.up_proj.weight]) for e in experts]),
-                                moe)
-        down_EMH = _gathered(torch.stack([e.down_proj.weight for e in experts]), moe)
-        block.gate.weight.copy_(moe.deepspeed_moe.gate.wg.weight)
-        block.experts.gate_up_proj.copy_(gate_up_EXM)
-        block.experts.down_proj.copy_(down_EMH)
+        for name, local in _stacked(experts, adapter.model_type).items():
+            getattr(block.experts, name).copy_(_gathered(local, moe))
+        router.weight.copy_(gate.wg.weight)
+        if gate.wg.bias is not None:
+            router.bias.copy_(gate.wg.bias)
         if moe.shared_expert is not None:
             name = "shared_expert" if hasattr(block, "shared_expert") else "shared_experts"
             setattr(block, name, moe.shared_expert)
         if moe.shared_expert_gate is not None:
             block.shared_expert_gate.weight.copy_(moe.shared_expert_gate.weight)
         if moe.expert_bias is not None:
-            block.gate.e_score_correction_bias.copy_(moe.expert_bias)
+            router.e_score_correction_bias.copy_(moe.expert_bias)
     return block.train(adapter.training)
 
 
@@ -211,14 +318,19 @@ def restore(model: nn.Module) -> nn.Module:
 
     A layer converted at ep_size > 1 gathers its experts over its expert-parallel group, so every rank of
     the group rebuilds the whole block: under expert parallelism every rank calls restore (a collective),
-    and one of them (rank 0) saves.
+    and one of them (rank 0) saves. A model sharded by ZeRO stage 3 holds no whole parameters: gather
+    them first (`engine.consolidated_state_dict()`, loaded into a one-process converted copy).
 
     Returns:
         the model, in place.
+
+    Raises:
+        ValueError: the model's parameters are sharded (ZeRO stage 3).
     """
     adapters = [(name, m) for name, m in model.named_modules() if isinstance(m, HFMoEBlock)]
+    for _, adapter in adapters:
+        _check_whole(adapter)
     for name, adapter in adapters:
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name), child, _original(adapter))
     return model
-

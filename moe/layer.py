@@ -184,9 +184,10 @@ class MoE(nn.Module):
         seed: the seed for expert_init="per_expert_seed".
         use_data_before_expert_parallel: DeepSpeed's alternative rank layout (see parallel.groups).
         scoring_func, norm_topk_prob, routed_scaling_factor, bias_update_speed, load_balancing_type,
-        n_group, topk_group, routing: the router (see `TopKGateConfig`, `topkgating`, `moe.router.balancing`,
-            `moe.router.expert_choice`). With bias_update_speed > 0 or global_aux_loss, the engine advances the
-            gate after each optimizer step; a plain-torch loop calls `moe.update_routing(model)`.
+        n_group, topk_group, routing, router_bias: the router (see `TopKGateConfig`, `topkgating`,
+            `moe.router.balancing`, `moe.router.expert_choice`). With bias_update_speed > 0 or global_aux_loss,
+            the engine advances the gate after each optimizer step; a plain-torch loop calls
+            `moe.update_routing(model)`.
             routing="expert_choice" uses other tokens of the batch to route each one, so in a causal
             language model it leaks information across positions.
         n_shared_experts: n > 0 adds a dense MLP of n experts' width (a plain-MLP `expert` is widened
@@ -218,7 +219,7 @@ class MoE(nn.Module):
         bias_update_speed: float = 0.0, load_balancing_type: str = "aux_loss", n_group: int | None = None,
         topk_group: int | None = None, routing: str = "token_choice", n_shared_experts: int = 0,
         shared_expert: nn.Module | None = None, shared_expert_gate: bool = False, exchange: str = "per_choice",
-        expert_compute: str | None = None,
+        expert_compute: str | None = None, router_bias: bool = False,
     ):
         super().__init__()
         if noisy_gate_policy == "None":  # DeepSpeed's MoE takes the string too
@@ -258,7 +259,7 @@ class MoE(nn.Module):
             noisy_gate_policy, drop_tokens, use_rts, None, top2_2nd_expert_sampling, drop_policy,
             scoring_func=scoring_func, norm_topk_prob=norm_topk_prob, routed_scaling_factor=routed_scaling_factor,
             bias_update_speed=bias_update_speed, load_balancing_type=load_balancing_type, n_group=n_group,
-            topk_group=topk_group, routing=routing,
+            topk_group=topk_group, routing=routing, router_bias=router_bias,
         )
         _check_expert_width(expert, hidden_size)
         shared = _shared_expert(expert, n_shared_experts, shared_expert, use_residual)

@@ -2,20 +2,23 @@
 
     python -m recipes.finetune --hf PATH                                   # CPython's docs, a few steps
     python -m recipes.finetune --hf PATH --data my_corpus.txt --steps 200 --out tuned/
-    torchrun --standalone --nproc_per_node 2 -m recipes.finetune --hf PATH --ep-world-size 2 --stage 2 --out tuned/
+    torchrun --standalone --nproc_per_node 2 -m recipes.finetune --hf PATH --ep-world-size 2 --stage 3 --out tuned/
 
---hf names a transformers Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3 or OLMoE model: a local folder
+--hf names a transformers Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3, OLMoE or GPT-OSS model: a local folder
 (`save_pretrained`'s), or a hub name when this machine reaches the hub. Its sparse MoE blocks become
 our layer (`moe.hf.convert`, the same weights and routing, experts spread over --ep-world-size
-processes); the loss is the causal-LM cross-entropy plus --aux-coef times our load-balancing l_aux.
+processes; DeepSeek-V3's expert bias moves after each step by --bias-update-speed); the loss is the
+causal-LM cross-entropy plus --aux-coef times our load-balancing l_aux. Any ZeRO stage (--stage 0-3).
 Text comes from --data (a text file or a folder of them; default: the English documentation inside
 CPython, `pydoc_data.topics`), tokenised by the model folder's tokenizer when it has one, else as
 bytes clipped to the model's vocabulary. Each process draws its own random windows.
 
 TensorBoard logs go to --log-dir/--run-name (train loss, learning rate, l_aux, expert load). At the
-end the original blocks are put back (`moe.hf.restore`, gathering the experts over each layer's
-expert-parallel group) and rank 0 writes the model (and its tokenizer) with `save_pretrained` to
---out, which `from_pretrained` reads.
+end, with --out, the engine gathers the trained weights on rank 0 (`engine.consolidated_state_dict()`:
+the fp32 master weights and buffers, whatever the stage shards and whichever rank holds an expert);
+rank 0 loads them into a one-process converted copy of the model, puts the original blocks back
+(`moe.hf.restore`) and writes it (and the tokenizer) with `save_pretrained` to --out, which
+`from_pretrained` reads.
 """
 
 import os
@@ -29,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moe import split_params_into_different_moe_groups_for_optimizer
-from moe.hf import HFMoEBlock, convert, restore
+from moe.hf import DEEPSEEK_V3_BIAS_UPDATE_SPEED, HFMoEBlock, convert, restore
 from optim import ConfigTypeError, initialize
 from parallel import init_distributed
 from recipes.common.cli import engine_config, fail, flag_parser, given_flags, require_at_least, require_positive
@@ -53,8 +56,9 @@ class FinetuneConfig:
     gradient_clipping: float = 1.0
     aux_coef: float = field(default=0.001, metadata={"help": "coefficient of our load-balancing l_aux"})
     ep_world_size: int = 1
-    stage: int = field(default=0, metadata={
-        "choices": [0, 1, 2], "help": "ZeRO stage (not 3: it shards the weights that restore reads)"})
+    stage: int = field(default=0, metadata={"choices": [0, 1, 2, 3], "help": "ZeRO stage"})
+    bias_update_speed: float = field(default=DEEPSEEK_V3_BIAS_UPDATE_SPEED, metadata={
+        "help": "DeepSeek-V3: how far the expert bias moves after each step (0: fixed); other models have no bias"})
     dtype: str = field(default="fp32", metadata={"choices": ["fp32", "bf16"]})
     log_interval: int = 5
     log_dir: str = "runs"
@@ -109,6 +113,27 @@ def load_model(cfg: FinetuneConfig):
     return model, tokenizer
 
 
+def converted(model: nn.Module, cfg: FinetuneConfig, ep_size: int) -> CausalLM:
+    """The model on our layer, as the engine runs it."""
+    speed = cfg.bias_update_speed if model.config.model_type == "deepseek_v3" else None
+    return CausalLM(convert(model, ep_size=ep_size, bias_update_speed=speed))
+
+
+def trained_copy(cfg: FinetuneConfig, state: dict[str, torch.Tensor]) -> nn.Module:
+    """A one-process copy of the model carrying the engine's trained state, its original blocks back."""
+    import transformers
+
+    wrapped = converted(transformers.AutoModelForCausalLM.from_pretrained(cfg.hf, dtype=torch.float32), cfg, 1)
+    missing, unexpected = wrapped.load_state_dict(state, strict=False)
+    entries = wrapped.state_dict(keep_vars=True)
+    loaded = {id(entries[name]) for name in state if name in entries}
+    missing = [name for name in missing if id(entries[name]) not in loaded]  # a tied weight is loaded under one name
+    if missing or unexpected:
+        raise RuntimeError(f"the trained state does not fit a one-process copy of the model: missing {missing}, "
+                           f"unexpected {unexpected}")
+    return restore(wrapped.model)
+
+
 def tokens_of(text: bytes, tokenizer, vocab_size: int) -> torch.Tensor:
     """The text's token ids: the tokenizer's, else its bytes clipped to the vocabulary."""
     if tokenizer is not None:
@@ -130,8 +155,7 @@ def train(cfg: FinetuneConfig, given: set[str], rank: int, world: int) -> dict:
         tokens = tokens_of(load_text(cfg.data), tokenizer, vocab)
         if len(tokens) <= cfg.seq_len + 1:
             raise ValueError(f"the data ({len(tokens)} tokens) is too small for --seq-len {cfg.seq_len}")
-        convert(model, ep_size=cfg.ep_world_size)
-        wrapped = CausalLM(model).train()
+        wrapped = converted(model, cfg, cfg.ep_world_size).train()
         groups = split_params_into_different_moe_groups_for_optimizer(
             {"params": list(wrapped.parameters()), "name": "dense"})
         config = engine_config(engine_fragments(cfg), given, "")
@@ -155,9 +179,10 @@ def train(cfg: FinetuneConfig, given: set[str], rank: int, world: int) -> dict:
     if engine.monitor is not None:
         engine.monitor.close()
         progress.message(f"TensorBoard logs: {engine.monitor.log_dir}   (view: tensorboard --logdir {cfg.log_dir})")
-    restore(model)  # every rank: a layer spread over processes gathers its experts
+    if cfg.out:
+        state = engine.consolidated_state_dict()  # every rank takes part; rank 0 gets every weight, whole
     if cfg.out and rank == 0:
-        model.save_pretrained(cfg.out)
+        trained_copy(cfg, state).save_pretrained(cfg.out)
         if tokenizer is not None:
             tokenizer.save_pretrained(cfg.out)
         progress.message(f"saved the tuned model to {cfg.out} (transformers.AutoModelForCausalLM.from_pretrained)")
@@ -170,7 +195,7 @@ def check(parser, cfg: FinetuneConfig, world: int) -> None:
     if not cfg.hf:
         fail(parser, "--hf is needed: a transformers MoE model's folder (save_pretrained's) or hub name")
     require_at_least(parser, cfg, ("steps", "batch_size", "seq_len", "log_interval", "ep_world_size"))
-    require_at_least(parser, cfg, ("warmup_steps",), 0)
+    require_at_least(parser, cfg, ("warmup_steps", "bias_update_speed"), 0)
     require_positive(parser, cfg, ("lr",))
     if world % cfg.ep_world_size:
         fail(parser, f"--ep-world-size ({cfg.ep_world_size}) must divide the number of processes ({world})")

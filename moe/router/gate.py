@@ -6,8 +6,9 @@ Shape legend: S tokens, M model dim, E experts.
 without the newer options (DeepSpeed's results, the softmax summed in SIMD order: see
 `moe.router.scoring.expert_softmax`), `topkgating` at any k once sigmoid scoring, a bias, groups, or
 explicit weight normalisation or scaling is asked for, and
-`expert_choice_gating` for routing="expert_choice". State that lives across forwards (the expert
-bias, the step's routed counts) is kept here and advanced by `update_routing` after each optimizer step.
+`expert_choice_gating` for routing="expert_choice". The linear map may have a bias (router_bias, as
+GPT-OSS's router has). State that lives across forwards (the expert bias, the step's routed counts) is
+kept here and advanced by `update_routing` after each optimizer step.
 """
 
 from dataclasses import dataclass
@@ -54,6 +55,8 @@ class TopKGateConfig:
         load_balancing_type: "aux_loss", "seq_aux_loss", "global_aux_loss" or "none" (moe.router.balancing).
         n_group, topk_group: group-limited routing (both or neither).
         routing: "token_choice" or "expert_choice".
+        router_bias: the router's linear map has a bias, logits = x W^T + b (GPT-OSS); every policy
+            ranks and weighs these logits.
     """
 
     model_dim: int
@@ -75,6 +78,7 @@ class TopKGateConfig:
     n_group: int | None = None
     topk_group: int | None = None
     routing: str = "token_choice"
+    router_bias: bool = False
 
     def __post_init__(self):
         for name in ("model_dim", "num_experts", "k", "min_capacity"):
@@ -94,6 +98,8 @@ class TopKGateConfig:
         if self.min_capacity < 0:
             raise ValueError(f"min_capacity must be >= 0, got {self.min_capacity}")
         _check_policy(self.noisy_gate_policy)
+        if not isinstance(self.router_bias, bool):
+            raise TypeError(f"router_bias must be True or False, got {self.router_bias!r}")
         if self.drop_policy not in DROP_POLICIES:
             raise ValueError(f"drop_policy must be one of {DROP_POLICIES}, got {self.drop_policy!r}")
         self._check_routing_options()
@@ -134,7 +140,7 @@ class TopKGateConfig:
 
 
 class _RouterLinear(torch.autograd.Function):
-    """logits = x W^T by F.linear (routing decides on exactly these logits); W's gradient as grad^T x.
+    """logits = x W^T (+ b) by F.linear (routing decides on exactly these logits); W's gradient as grad^T x.
 
     autograd's own backward forms W's gradient as (x^T grad)^T, a product whose [M, S] operand is a
     transposed view, which BLAS runs slowly when E is small; grad^T x reads both operands in their
@@ -142,20 +148,22 @@ class _RouterLinear(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x_SM, weight_EM):
+    def forward(ctx, x_SM, weight_EM, bias_E=None):
         ctx.save_for_backward(x_SM, weight_EM)
-        return F.linear(x_SM, weight_EM)
+        return F.linear(x_SM, weight_EM, bias_E)
 
     @staticmethod
     def backward(ctx, grad_SE):
         x_SM, weight_EM = ctx.saved_tensors
         grad_x = grad_SE.mm(weight_EM) if ctx.needs_input_grad[0] else None
         grad_weight = grad_SE.t().mm(x_SM) if ctx.needs_input_grad[1] else None
-        return grad_x, grad_weight
+        grad_bias = grad_SE.sum(0) if ctx.needs_input_grad[2] else None
+        return grad_x, grad_weight, grad_bias
 
 
 class TopKGate(torch.nn.Module):
-    """The router: a bias-free linear map to expert logits, computed in fp32, then a gating policy.
+    """The router: a linear map to expert logits (bias-free unless router_bias), computed in fp32, then a
+    gating policy.
 
     In eval mode the gate uses eval_capacity_factor and turns every noise off (Jitter, RSample,
     second-expert sampling and random token selection), so eval routing is deterministic.
@@ -170,7 +178,7 @@ class TopKGate(torch.nn.Module):
             see `TopKGateConfig`.
         ep_group: expert-parallel group for the dropless capacity reduction, or None.
         scoring_func, norm_topk_prob, routed_scaling_factor, bias_update_speed, load_balancing_type,
-        n_group, topk_group, routing: keyword-only, see `TopKGateConfig`.
+        n_group, topk_group, routing, router_bias: keyword-only, see `TopKGateConfig`.
         dp_group: the data-parallel group the step's counts are summed over (global_aux_loss and the
             bias); None: every process when torch.distributed is initialised.
     """
@@ -182,6 +190,7 @@ class TopKGate(torch.nn.Module):
         drop_policy: str = "probs", *, scoring_func: str = "softmax", norm_topk_prob: bool | None = None,
         routed_scaling_factor: float = 1.0, bias_update_speed: float = 0.0, load_balancing_type: str = "aux_loss",
         n_group: int | None = None, topk_group: int | None = None, routing: str = "token_choice", dp_group=None,
+        router_bias: bool = False,
     ):
         super().__init__()
         self.config = TopKGateConfig(
@@ -191,11 +200,11 @@ class TopKGate(torch.nn.Module):
             top2_2nd_expert_sampling=top2_2nd_expert_sampling, drop_policy=drop_policy, scoring_func=scoring_func,
             norm_topk_prob=norm_topk_prob, routed_scaling_factor=routed_scaling_factor,
             bias_update_speed=bias_update_speed, load_balancing_type=load_balancing_type, n_group=n_group,
-            topk_group=topk_group, routing=routing,
+            topk_group=topk_group, routing=routing, router_bias=router_bias,
         )
         self.ep_group = ep_group
         self.dp_group = dp_group
-        self.wg = torch.nn.Linear(model_dim, num_experts, bias=False).float()
+        self.wg = torch.nn.Linear(model_dim, num_experts, bias=router_bias).float()
         cfg, device = self.config, self.wg.weight.device
         self.register_buffer("expert_bias", torch.zeros(num_experts, device=device) if cfg.bias_update_speed > 0 else None)
         self.register_buffer("step_counts", torch.zeros(num_experts, dtype=torch.int64, device=device)
@@ -227,7 +236,8 @@ class TopKGate(torch.nn.Module):
         if self.training and cfg.noisy_gate_policy == "Jitter":
             x_SM = x_SM * torch.empty_like(x_SM).uniform_(1.0 - JITTER_EPS, 1.0 + JITTER_EPS)
         with no_autocast(x_SM.device):  # the router stays fp32 under the model's autocast
-            logits = _RouterLinear.apply(x_SM, self.wg.weight.to(x_SM.dtype))
+            bias = self.wg.bias.to(x_SM.dtype) if self.wg.bias is not None else None
+            logits = _RouterLinear.apply(x_SM, self.wg.weight.to(x_SM.dtype), bias)
         capacity_factor = cfg.capacity_factor if self.training else cfg.eval_capacity_factor
         # In eval (validation, generation from a short prompt) a batch of fewer tokens than min_capacity
         # routes with nothing dropped: any capacity >= S keeps every choice, since an expert gets at most

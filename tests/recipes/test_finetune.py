@@ -1,4 +1,5 @@
-"""recipes.finetune: a tiny random Mixtral fine-tuned on our layer, logged, and saved back for transformers."""
+"""recipes.finetune: a tiny random Mixtral fine-tuned on our layer, logged, and saved back for transformers, in
+one process and under torchrun at ep 2 with ZeRO stages 2 and 3 (the same training, the same saved model)."""
 
 import subprocess
 import sys
@@ -27,19 +28,22 @@ def _logits(model, ids):
         return model.eval()(ids).logits
 
 
-def _loads_changed(out, original) -> None:
+def _loads_changed(out, original) -> torch.Tensor:
+    """The saved model's logits (finite, not the original's)."""
     tuned = transformers.AutoModelForCausalLM.from_pretrained(out)
     ids = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(1))
     got = _logits(tuned, ids)
     assert got.isfinite().all()
     assert not torch.allclose(got, _logits(original, ids))
+    return got
 
 
 @pytest.mark.slow
 def test_finetune_lowers_the_loss_logs_and_saves_a_model_transformers_loads(tmp_path):
     original = _saved_mixtral(tmp_path / "tiny")
     result = finetune.main(["--hf", str(tmp_path / "tiny"), "--steps", "8", "--seq-len", "16", "--lr", "1e-2",
-                            "--log-dir", str(tmp_path / "runs"), "--run-name", "run", "--out", str(tmp_path / "out")])
+                            "--stage", "3", "--log-dir", str(tmp_path / "runs"), "--run-name", "run",
+                            "--out", str(tmp_path / "out")])
     losses = [loss for _, loss in result["losses"]]
     assert len(losses) == 8 and losses[-1] < losses[0]
     assert list((tmp_path / "runs" / "run").glob("events.out.tfevents.*"))
@@ -54,17 +58,31 @@ def test_finetune_without_hf_stops_with_one_line(capsys):
                                                "folder (save_pretrained's) or hub name")
 
 
-@pytest.mark.slow
-def test_finetune_under_torchrun_with_expert_parallelism_saves_a_loadable_model(tmp_path):
-    original = _saved_mixtral(tmp_path / "tiny")
+def test_finetune_with_a_negative_bias_update_speed_stops_with_one_line(capsys):
+    with pytest.raises(SystemExit) as stopped:
+        finetune.main(["--hf", "somewhere", "--bias-update-speed", "-0.1"])
+    assert stopped.value.code == 2
+    assert capsys.readouterr().err.strip() == "recipes.finetune: error: --bias-update-speed must be 0 or more, got -0.1"
+
+
+def _torchrun(folder, stage: int):
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-               "-m", "recipes.finetune", "--hf", str(tmp_path / "tiny"), "--steps", "4", "--seq-len", "16",
-               "--lr", "1e-2", "--ep-world-size", "2", "--stage", "2", "--log-dir", str(tmp_path / "runs"),
-               "--run-name", "run", "--out", str(tmp_path / "out")]
+               "-m", "recipes.finetune", "--hf", str(folder / "tiny"), "--steps", "4", "--seq-len", "16",
+               "--lr", "1e-2", "--ep-world-size", "2", "--stage", str(stage), "--log-dir", str(folder / "runs"),
+               "--run-name", f"stage{stage}", "--out", str(folder / f"out{stage}")]
     done = subprocess.run(command, check=False, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "2 process(es), ep 2, ZeRO stage 2" in done.stdout
-    _loads_changed(tmp_path / "out", original)
+    assert f"2 process(es), ep 2, ZeRO stage {stage}" in done.stdout
+
+
+@pytest.mark.slow
+def test_finetune_under_torchrun_with_expert_parallelism_saves_a_loadable_model_at_stages_2_and_3(tmp_path):
+    """The same 4 steps at stage 2 and stage 3 (which shards the weights) save the same model (fp32, 1e-5)."""
+    original = _saved_mixtral(tmp_path / "tiny")
+    _torchrun(tmp_path, 2)
+    _torchrun(tmp_path, 3)
+    stage2 = _loads_changed(tmp_path / "out2", original)
+    torch.testing.assert_close(_loads_changed(tmp_path / "out3", original), stage2, rtol=1e-5, atol=1e-5)
 
 
 def test_the_recipes_page_lists_every_finetune_flag():

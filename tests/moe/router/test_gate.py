@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moe import Routing, TopKGate, top1gating, top2gating
+from moe import MoE, Routing, TopKGate, top1gating, top2gating, topkgating
 
 RTOL, ATOL = 1e-5, 1e-6
 
@@ -92,3 +92,37 @@ def test_jitter_multiplies_the_gate_input_by_uniform_noise_in_training_only(k):
     assert torch.equal(evaluated.expert_idx_SK, clean.expert_idx_SK), "eval choices differ from the noiseless ones"
     torch.testing.assert_close(evaluated.weight_SK, clean.weight_SK, rtol=RTOL, atol=ATOL)
     torch.testing.assert_close(evaluated.z_loss, clean.z_loss, rtol=RTOL, atol=ATOL)
+
+
+def test_router_bias_is_off_by_default_and_must_be_a_bool():
+    gate = TopKGate(8, 4, k=2)
+    assert gate.wg.bias is None and sorted(gate.state_dict()) == ["wg.weight"]
+    with pytest.raises(TypeError, match=r"^router_bias must be True or False, got 'yes'$"):
+        TopKGate(8, 4, router_bias="yes")
+
+
+def test_router_bias_enters_the_logits_that_select_and_weigh_and_gets_its_gradient():
+    """logits = x W^T + b: the plan and every gradient equal topkgating's on those logits. With
+    norm_topk_prob the weights are the softmax over each token's k largest logits (GPT-OSS's router)."""
+    torch.manual_seed(0)
+    gate = TopKGate(8, 6, k=2, min_capacity=0, drop_tokens=False, norm_topk_prob=True, router_bias=True)
+    assert MoE(8, torch.nn.Linear(8, 8), 6, k=2, router_bias=True).deepspeed_moe.gate.wg.bias.shape == (6,)
+    with torch.no_grad():
+        gate.wg.bias.copy_(torch.tensor([2.0, -2.0, 0.0, 1.0, -1.0, 0.5]))  # large enough to change choices
+    x = torch.randn(20, 8, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_()
+    weight = gate.wg.weight.detach().clone().requires_grad_()
+    bias = gate.wg.bias.detach().clone().requires_grad_()
+    got = gate(x)
+    logits = F.linear(x_ref, weight, bias)
+    want = topkgating(logits, 2, 1.0, 0, drop_tokens=False, norm_topk_prob=True)
+    assert torch.equal(got.expert_idx_SK, want.expert_idx_SK)
+    assert not torch.equal(got.expert_idx_SK, F.linear(x_ref, weight).topk(2).indices)  # the bias does steer
+    torch.testing.assert_close(got.weight_SK, want.weight_SK, rtol=RTOL, atol=ATOL)
+    top_SK = logits.detach().topk(2).values
+    torch.testing.assert_close(got.weight_SK, torch.softmax(top_SK, dim=1), rtol=RTOL, atol=ATOL)
+    probe = torch.randn(20, 2)
+    ((got.weight_SK * probe).sum() + got.l_aux).backward()
+    ((want.weight_SK * probe).sum() + want.l_aux).backward()
+    for have, expected in ((x.grad, x_ref.grad), (gate.wg.weight.grad, weight.grad), (gate.wg.bias.grad, bias.grad)):
+        torch.testing.assert_close(have, expected, rtol=RTOL, atol=ATOL)
