@@ -52,6 +52,7 @@ except ImportError:  # not on POSIX systems: no page-fault counts
 from kernels.cpu import gemm
 from moe import MoE, split_params_into_different_moe_groups_for_optimizer
 from optim import initialize
+from optim.graphs import GraphedStep
 from recipes import gpt
 from recipes.bench.step_breakdown import StepBreakdown
 from recipes.common import records
@@ -81,7 +82,7 @@ def _engine(cfg: gpt.TrainConfig, moe_layer=None):
 _DEEPSPEED_COUNTERPARTS = {
     "scoring_func": "softmax", "norm_topk_prob": "auto", "routed_scaling_factor": 1.0, "bias_update_speed": 0.0,
     "load_balancing_type": "aux_loss", "n_group": 0, "topk_group": 0, "routing": "token_choice", "n_shared_experts": 0,
-    "ep_world_size": 1, "compile": False,
+    "ep_world_size": 1, "compile": False, "cuda_graphs": False,  # its layer reads on the host: no graph holds it
 }
 
 
@@ -275,6 +276,13 @@ def _run(base, builders: dict, tokens, warmup: int, steps: int, breakdown: bool,
     runs = {name: gpt.TrainConfig(**{**vars(base), "dense": name == "dense", "log_dir": logs.name, "run_name": name})
             for name in builders}
     engines = {name: _engine(cfg, builders[name]) for name, cfg in runs.items()}
+    # with --cuda-graphs, each model's step replays a graph, captured after the first steps (optim.graphs)
+    stepper = (lambda engine, cfg: GraphedStep(engine, lambda x, y: gpt.train_step(engine, cfg, x, y))) \
+        if base.cuda_graphs else (lambda engine, cfg: lambda x, y: gpt.train_step(engine, cfg, x, y))
+    try:
+        steps_of = {name: stepper(engines[name][0], cfg) for name, cfg in runs.items()}
+    except ValueError as error:  # a step no graph can hold: the reasons, one line
+        raise SystemExit(f"recipes.bench.gpt: error: {error}") from None
     timers = {}
     if breakdown:  # hooks on every model's blocks and optimizer, cleared when the timed steps begin
         timers = {name: StepBreakdown(engine.module, engine.optimizer) for name, (engine, _) in engines.items()}
@@ -291,7 +299,7 @@ def _run(base, builders: dict, tokens, warmup: int, steps: int, breakdown: bool,
             for name, cfg in runs.items():
                 x, y = gpt.train_batch(tokens, cfg, step, 0, 0)
                 faulted, start = _minor_faults(), time.perf_counter()
-                gpt.train_step(engines[name][0], cfg, x, y).item()
+                steps_of[name](x, y).item()
                 if step >= warmup:
                     times[name].append(time.perf_counter() - start)
                     if faulted is not None:
