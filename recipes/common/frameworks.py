@@ -232,23 +232,24 @@ def compare(size: LayerSize, device: torch.device, dtype: torch.dtype, steps: in
         torch.manual_seed(1)
         x = torch.randn(size.tokens, size.hidden, device=device, dtype=dtype, requires_grad=True)
         grad = torch.randn_like(x)
-        with torch.no_grad():
-            outputs = {name: layer(x)[0].float() for name, layer in layers.items()}
-        for name, reference in REFERENCE.items():
-            if name in outputs:
-                difference = (outputs[name] - outputs[reference]).abs().max().item()
-                scale = outputs[reference].abs().max().item()
-                rows[name].update(max_abs_diff=difference, agrees=difference <= AGREEMENT * scale)
-        del outputs
-        steps_of = {}
+        outputs, steps_of = {}, {}
         for name, layer in layers.items():
             step = _step(layer, x, grad)
             try:
+                with torch.no_grad():
+                    outputs[name] = layer(x)[0].float()
                 rows[name]["step_peak_mib"] = step_peak(step, device) / 2**20  # also the layer's first step
                 steps_of[name] = step
             except Exception as error:  # out of memory, say: a row saying so, not a lost report
                 rows[name].update(failure_row(error))
+                outputs.pop(name, None)
                 layer.zero_grad(set_to_none=True)
+        for name, reference in REFERENCE.items():
+            if name in outputs and reference in outputs:
+                difference = (outputs[name] - outputs[reference]).abs().max().item()
+                scale = outputs[reference].abs().max().item()
+                rows[name].update(max_abs_diff=difference, agrees=difference <= AGREEMENT * scale)
+        del outputs
         ms = time_interleaved(steps_of, SimpleNamespace(steps=steps, warmup=warmup), device)
         for name in steps_of:
             rows[name].update(status="ran", ms=ms[name], tokens_per_s=size.tokens / ms[name] * 1e3)
