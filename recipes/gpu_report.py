@@ -25,8 +25,8 @@ versions where a GPU is) and one row per measurement. What cannot run here is a 
 (no CUDA device, a library not importable); a part that fails is a row with its error, and the
 other parts still run. The exit status is 1 when a part or a test failed, else 0.
 
-Without a CUDA device --tiny is on: tiny sizes, so the whole report takes seconds and the tests can
-run it; under --tiny torch.compile is not run (compiling takes longer than the tiny report).
+Without a CUDA device --tiny is on: tiny sizes, so that the whole report is quick and the tests can
+run it; under --tiny torch.compile is not run (compiling takes longer than the rest of the report).
 """
 
 import dataclasses
@@ -71,7 +71,7 @@ GPT_MODES = {"eager": [], "compiled": ["--compile"], "graphed": ["--cuda-graphs"
 
 @dataclass(kw_only=True)
 class ReportConfig:
-    tiny: bool = field(default=False, metadata={"help": "tiny sizes, a few seconds in all (always so without CUDA)"})
+    tiny: bool = field(default=False, metadata={"help": "tiny sizes: a quick check that every part runs (always so without CUDA)"})
     parts: list[str] = field(default_factory=lambda: list(PARTS), metadata={
         "nargs": "+", "type": str, "help": f"which parts, of: {' '.join(PARTS)}"})
     record_dir: str = field(default="results", metadata={"help": "the records' root folder"})
@@ -168,7 +168,7 @@ def gpt_rows(cfg: ReportConfig, device: torch.device) -> list[dict]:
             elif mode == "graphed" and not has_graphs:
                 row.update(status="not run", reason="this recipes.gpt has no --cuda-graphs flag")
             elif mode == "compiled" and cfg.tiny:
-                row.update(status="not run", reason="--tiny: compiling takes longer than the tiny report")
+                row.update(status="not run", reason="--tiny: compiling takes longer than the rest of the report")
             rows.append(row)
     return rows
 

@@ -115,28 +115,35 @@ def torchtitan_layer(mine: MoE, size: LayerSize) -> nn.Module:
     return _Tokens(layer)
 
 
-def open_deepspeed() -> None:
-    """A one-process gloo group for DeepSpeed's layer (it needs torch.distributed), and DeepSpeed's init.
+def open_deepspeed() -> bool:
+    """DeepSpeed's init, on a one-process gloo group made here where the process has none (its layer
+    needs torch.distributed).
+
+    Returns:
+        whether the group was made here (`close_deepspeed` then destroys it).
 
     Raises:
         ImportError: deepspeed is not importable.
     """
     import deepspeed  # optional: only for side-by-side figures
 
-    if not (dist.is_available() and dist.is_initialized()):
+    made = not (dist.is_available() and dist.is_initialized())
+    if made:
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     deepspeed.init_distributed(dist_backend="gloo")
+    return made
 
 
-def close_deepspeed() -> None:
-    """Close the group `open_deepspeed` opened, with DeepSpeed's expert groups cached on it."""
+def close_deepspeed(made: bool) -> None:
+    """Forget DeepSpeed's expert groups (a later layer makes them anew); destroy the group if `open_deepspeed`
+    made it."""
     from deepspeed.utils import groups
 
     for name in ("_EXPERT_PARALLEL_GROUP", "_EXPERT_PARALLEL_GROUP_RANKS", "_EXPERT_DATA_PARALLEL_GROUP",
                  "_EXPERT_DATA_PARALLEL_GROUP_RANKS"):
         getattr(groups, name, {}).clear()
     groups._WORLD_GROUP = None
-    if dist.is_initialized():
+    if made and dist.is_initialized():
         dist.destroy_process_group()
 
 
@@ -188,9 +195,9 @@ def step_peak(step, device: torch.device) -> int:
     return torch.cuda.max_memory_allocated(device) - before
 
 
-def _build_all(size: LayerSize, device, dtype) -> tuple[dict, dict, bool]:
-    """(name -> layer, name -> reason it is not run, whether DeepSpeed's group was opened) for the four layers."""
-    layers, missing, opened = {"ours (dropless)": ours(size, device, dtype, dropless=True)}, {}, False
+def _build_all(size: LayerSize, device, dtype) -> tuple[dict, dict, bool | None]:
+    """(name -> layer, name -> reason it is not run, `open_deepspeed`'s answer or None where it did not run)."""
+    layers, missing, opened = {"ours (dropless)": ours(size, device, dtype, dropless=True)}, {}, None
     try:
         layers["torchtitan (dropless)"] = torchtitan_layer(layers["ours (dropless)"], size)
     except ImportError as error:
@@ -198,8 +205,7 @@ def _build_all(size: LayerSize, device, dtype) -> tuple[dict, dict, bool]:
     layers["ours (capacity)"] = ours(size, device, dtype, dropless=False)
     layers["ours (capacity)"].load_state_dict(layers["ours (dropless)"].state_dict())
     try:
-        open_deepspeed()
-        opened = True
+        opened = open_deepspeed()
         layers["deepspeed (capacity)"] = deepspeed_layer(layers["ours (capacity)"], size)
     except ImportError as error:
         missing["deepspeed (capacity)"] = f"deepspeed is not importable here ({error})"
@@ -220,7 +226,19 @@ def compare(size: LayerSize, device: torch.device, dtype: torch.dtype, steps: in
     """The four layers on `size`, one row each: ms per step, tokens/s, the step's peak bytes beyond what
     was allocated before it, and for DeepSpeed's and torchtitan's the largest output difference from
     ours on the same input and whether it is within AGREEMENT of our largest output. A layer whose
-    first step fails (out of memory, say) is a row with the error; the others are timed."""
+    first step fails (out of memory, say) is a row with the error; the others are timed.
+
+    Args:
+        size: the layer shape and number of tokens.
+        device: where the layers run.
+        dtype: the layers' and the tokens' dtype (routers stay in fp32).
+        steps: timed steps of each layer, after `warmup` untimed ones.
+        warmup: untimed steps of each layer before.
+
+    Returns:
+        one row per name of ORDER: the size's fields, layer, status ("ran", "not run" or "failed"),
+        ms, tokens_per_s, step_peak_mib, and reason, max_abs_diff and agrees where they apply.
+    """
     base = {"size": size.name, "hidden": size.hidden, "ffn": size.ffn, "experts": size.experts, "k": size.k,
             "tokens": size.tokens, "dtype": str(dtype).removeprefix("torch.")}
     rows = {name: {**base, "layer": name, "status": None, "ms": None, "tokens_per_s": None, "step_peak_mib": None}
@@ -254,6 +272,6 @@ def compare(size: LayerSize, device: torch.device, dtype: torch.dtype, steps: in
         for name in steps_of:
             rows[name].update(status="ran", ms=ms[name], tokens_per_s=size.tokens / ms[name] * 1e3)
     finally:
-        if opened:
-            close_deepspeed()
+        if opened is not None:
+            close_deepspeed(opened)
     return [rows[name] for name in ORDER]

@@ -40,9 +40,11 @@ class OutOfMemory(nn.Module):
 def stand_ins(monkeypatch):
     """torchtitan's layer: a copy of ours; DeepSpeed's: a copy of ours with its output 10% larger."""
     monkeypatch.setattr(frameworks, "torchtitan_layer", lambda mine, size: Scaled(mine, 1.0))
-    monkeypatch.setattr(frameworks, "open_deepspeed", lambda: None)
-    monkeypatch.setattr(frameworks, "close_deepspeed", lambda: None)
+    closed = []
+    monkeypatch.setattr(frameworks, "open_deepspeed", lambda: True)
+    monkeypatch.setattr(frameworks, "close_deepspeed", closed.append)
     monkeypatch.setattr(frameworks, "deepspeed_layer", lambda mine, size: Scaled(mine, 1.1))
+    return closed
 
 
 def test_our_two_layers_hold_the_same_seeded_experts_and_an_fp32_gate():
@@ -67,6 +69,7 @@ def test_each_library_row_says_whether_its_output_agrees_with_ours(stand_ins):
     assert rows["torchtitan (dropless)"]["max_abs_diff"] == 0 and rows["torchtitan (dropless)"]["agrees"] is True
     assert rows["deepspeed (capacity)"]["max_abs_diff"] > 0 and rows["deepspeed (capacity)"]["agrees"] is False
     assert "agrees" not in rows["ours (dropless)"] and "agrees" not in rows["ours (capacity)"]
+    assert stand_ins == [True]  # the group open_deepspeed made is closed again
 
 
 @pytest.mark.slow
@@ -79,6 +82,7 @@ def test_a_layer_that_fails_is_a_row_with_its_error_and_the_others_are_timed(sta
     assert all(rows[name]["status"] == "ran" for name in ("ours (dropless)", "ours (capacity)", "deepspeed (capacity)"))
 
 
+@pytest.mark.slow
 def test_a_library_that_is_not_importable_is_not_run(monkeypatch):
     def missing(*args):
         raise ImportError("No module named 'torchtitan'")
