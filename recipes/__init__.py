@@ -11,9 +11,13 @@ recipe's model:
     compare_dense_moe   dense GPT against MoE GPT at equal active compute (the README's table)
     ablate              the GPT recipe once per router variant, at equal active compute
     estimate            memory per GPU of one GPT training step, run in a simulated world
+    gpu_report          one command for a GPU machine: the CUDA tests, the dispatch ops, our MoE layer beside
+                        DeepSpeed's and torchtitan's, the GPT recipe's MoE/dense ratio; one record per part
+    report              docs/results.md (and its plots) from the result records under results/
 
     bench/              benchmarks: scripts that print what they measured (see recipes.bench)
-    common/             imported, never run: flags, the run loop, training helpers, the simulated world
+    common/             imported, never run: flags, the run loop, training helpers, the simulated world, our
+                        layer beside DeepSpeed's and torchtitan's
     configs/            JSON engine configs for the recipes
 
 Nothing outside recipes imports it: moe, parallel, optim and kernels never do.

@@ -22,7 +22,9 @@ GLANCE_START = "<!-- results-at-a-glance:start -->"
 GLANCE_END = "<!-- results-at-a-glance:end -->"
 PLOTS = "results"  # folder of the PNGs, beside the page
 ORDER = ("bench_moe", "bench_engine", "bench_gpt", "bench_kernels", "bench_routing", "bench_checkpoint",
-         "compare_dense_moe", "ablate", "gpt")
+         "compare_dense_moe", "ablate", "gpt", "gpu_report_tests", "gpu_report_kernels", "gpu_report_moe",
+         "gpu_report_gpt")
+GPU_REPORT = "gpu_report_"  # the benchmarks of `python -m recipes.gpu_report`, one per part, share a section
 
 
 def _sequence(record: dict) -> tuple:
@@ -115,7 +117,27 @@ def headline(record: dict) -> str | None:
         return None if ratio is None else f"{ratio:.3f}" + (f" (`{flags}`)" if flags else "")
     if name == "compare_dense_moe":
         return "validation loss " + ", ".join(f"{row['model']} {_cell(row['val_loss'])}" for row in rows if "val_loss" in row)
+    if name == "gpu_report_moe":
+        return "; ".join(f"{size}: " + ", ".join(pairs) for size, pairs in _moe_speedups(rows).items() if pairs) or None
+    if name == "gpu_report_gpt":
+        found = [f"{row['size']} {row['mode']} {row['moe_over_dense']:.3f}" for row in rows
+                 if isinstance(row.get("moe_over_dense"), (int, float))]
+        return ", ".join(found) or None
+    if name == "gpu_report_tests":
+        counts = [f"{row[key]} {key}" for row in rows for key in ("passed", "failed", "skipped", "error") if key in row]
+        return ", ".join(counts) or None
     return None
+
+
+def _moe_speedups(rows: list[dict]) -> dict[str, list[str]]:
+    """Per size of a gpu_report_moe record: ours over each library's layer run the same way (x as fast)."""
+    ms = {(row["size"], row["layer"]): row["ms"] for row in rows if isinstance(row.get("ms"), (int, float))}
+    found = {}
+    for (size, layer), theirs in ms.items():
+        library, _, kind = layer.partition(" ")
+        if library != "ours" and (size, f"ours {kind}") in ms:
+            found.setdefault(size, []).append(f"over {library} {theirs / ms[size, f'ours {kind}']:.2f}x")
+    return found
 
 
 def glance(records: list[dict]) -> str:
@@ -159,19 +181,26 @@ def render(records: list[dict]) -> str:
              "specific to its machine.\n",
              "## Results at a glance\n",
              "Headline figures: bench_moe and bench_engine, ours over DeepSpeed's (x as fast); bench_gpt, MoE over "
-             "dense tokens/s; compare_dense_moe, final validation loss in nats/byte.\n",
+             "dense tokens/s; compare_dense_moe, final validation loss in nats/byte; gpu_report_moe, ours over "
+             "torchtitan's and DeepSpeed's layers; gpu_report_gpt, MoE over dense tokens/s per mode.\n",
              glance(records) + "\n"]
     machines = sorted({r["machine"] for r in records if speedups(r)})
     if machines:
         parts.append("## Speed-ups over DeepSpeed, per machine\n")
         parts += [f"![{m}]({PLOTS}/speedup_{slug(m)}.png)\n" for m in machines]
-    benchmark = None
+    section = None
     for record in records:
-        if record["benchmark"] != benchmark:
-            benchmark = record["benchmark"]
-            parts.append(f"## {benchmark}\n")
-        parts.append(f"### {record['machine']}: `{record['command']}`\n")
-        parts.append(f"torch {record['torch']}, {record['date']}, commit {record['commit']}"
+        benchmark = record["benchmark"]
+        if _section(benchmark) != section:
+            section = _section(benchmark)
+            parts.append(f"## {section}\n")
+            if section == GPU_REPORT.rstrip("_"):
+                parts.append(GPU_REPORT_INTRO)
+        if benchmark.startswith(GPU_REPORT):
+            parts.append(f"### {benchmark.removeprefix(GPU_REPORT)}, {record['machine']}: `{record['command']}`\n")
+        else:
+            parts.append(f"### {record['machine']}: `{record['command']}`\n")
+        parts.append(f"torch {record['torch']}{_versions(record)}, {record['date']}, commit {record['commit']}"
                      + (f"; {record['notes']}" if record.get("notes") else "") + f" (`results/{record['path']}`)\n")
         parts.append(table(rows_of(record["figures"])) + "\n")
         if record in _curves(records):
@@ -179,6 +208,28 @@ def render(records: list[dict]) -> str:
             parts += [f"![validation loss]({PLOTS}/ablate_{stem}_val_loss.png)\n",
                       f"![MaxVio]({PLOTS}/ablate_{stem}_max_vio.png)\n"]
     return "\n".join(parts)
+
+
+GPU_REPORT_INTRO = ("Written by `python -m recipes.gpu_report` on a GPU machine ([gpus](gpus.md)), one record "
+                    "per part: the tests marked gpu, the dispatch ops, our MoE layer beside torchtitan's and "
+                    "DeepSpeed's (same weights, SwiGLU experts), the GPT recipe's MoE over dense tokens/s. A row "
+                    "that did not run says why.\n")
+
+
+def _section(benchmark: str) -> str:
+    """The page section of a benchmark: its own, but one for all parts of the GPU report."""
+    return GPU_REPORT.rstrip("_") if benchmark.startswith(GPU_REPORT) else benchmark
+
+
+def _versions(record: dict) -> str:
+    """", CUDA 12.8, driver 570.86" from a record's environment (GPU report records), else ""."""
+    figures = record["figures"]
+    env = figures.get("environment") if isinstance(figures, dict) else None
+    if not isinstance(env, dict):
+        return ""
+    found = [f"{name} {env[key]}" for key, name in (("cuda", "CUDA"), ("driver", "driver"), ("triton", "Triton"))
+             if env.get(key)]
+    return "".join(f", {item}" for item in found)
 
 
 def readme_block(readme: str, records: list[dict]) -> str | None:

@@ -76,3 +76,30 @@ def test_without_record_dir_a_benchmark_writes_nothing(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     bench_routing.main(["--tokens", "64", "--experts", "8", "--k", "2", "--ep", "4", "--hidden", "8"])
     assert list(tmp_path.iterdir()) == []
+
+
+def test_gpu_report_records_share_a_section_with_their_versions_and_headlines(tmp_path):
+    env = {"device": "Some GPU", "torch": "2.13.0", "cuda": "12.8", "driver": "570.1", "triton": "3.4.0"}
+    moe_rows = [{"size": "Mixtral-like", "layer": "ours (dropless)", "status": "ran", "ms": 10.0},
+                {"size": "Mixtral-like", "layer": "torchtitan (dropless)", "status": "ran", "ms": 20.0},
+                {"size": "Mixtral-like", "layer": "ours (capacity)", "status": "ran", "ms": 8.0},
+                {"size": "Mixtral-like", "layer": "deepspeed (capacity)", "status": "ran", "ms": 12.0},
+                {"size": "DeepSeek-like", "layer": "ours (dropless)", "status": "ran", "ms": 5.0},
+                {"size": "DeepSeek-like", "layer": "torchtitan (dropless)", "status": "not run", "ms": None,
+                 "reason": "torchtitan is not importable here"}]
+    gpt_rows = [{"size": "default", "mode": "eager", "status": "ran", "moe_over_dense": 0.5},
+                {"size": "default", "mode": "graphed", "status": "not run", "moe_over_dense": None}]
+    tests_rows = [{"command": "python -m pytest -q -m gpu", "status": "ran", "passed": 40, "failed": 1}]
+    for part, rows in (("moe", moe_rows), ("gpt", gpt_rows), ("tests", tests_rows)):
+        write_record(f"gpu_report_{part}", "python -m recipes.gpu_report", {"environment": env, "table": rows},
+                     tmp_path, machine="Some GPU", torch="2.13.0", date="2026-01-02", commit="abc1234")
+    records = report.latest(load_records(tmp_path))
+    assert [r["benchmark"] for r in records] == ["gpu_report_tests", "gpu_report_moe", "gpu_report_gpt"]
+    assert [report.headline(r) for r in records] == [
+        "40 passed, 1 failed", "Mixtral-like: over torchtitan 2.00x, over deepspeed 1.50x", "default eager 0.500"]
+    page = report.render(records)
+    assert page.count("## gpu_report\n") == 1 and report.GPU_REPORT_INTRO in page
+    assert "### moe, Some GPU: `python -m recipes.gpu_report`" in page
+    assert "torch 2.13.0, CUDA 12.8, driver 570.1, Triton 3.4.0, 2026-01-02, commit abc1234" in page
+    assert "| DeepSeek-like | torchtitan (dropless) | not run | - | torchtitan is not importable here |" in page
+    assert report.plot_names(records) == []  # no speed-up chart: those are ours over DeepSpeed's benchmarks

@@ -1,0 +1,1 @@
+"""Tests of recipes.common: the helpers the recipes share."""
