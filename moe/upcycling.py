@@ -12,7 +12,7 @@ SwiGLU MLP of Llama, Qwen2, Mistral in `transformers`) qualifies. It must not im
 `recipes`: the copies are made by `moe.Experts`, which deep-copies any module.
 """
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import torch
 from torch import nn

@@ -23,3 +23,13 @@ def kernel_backend(request, monkeypatch):
     """Run a test once on the torch path and once on the Triton kernels (interpreted on CPU)."""
     monkeypatch.setenv("MOE_KERNELS", request.param)
     return request.param
+
+
+def pytest_collection_modifyitems(items):
+    """The tests that run on the GPU where there is one (their module takes `tests.devices.DEVICE`) carry
+    the `gpu` marker beside those marked by hand, so `python -m pytest -m gpu` runs them all."""
+    from tests.devices import DEVICE
+
+    for item in items:
+        if getattr(getattr(item, "module", None), "DEVICE", None) is DEVICE:
+            item.add_marker(pytest.mark.gpu)

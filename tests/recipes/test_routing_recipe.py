@@ -4,7 +4,6 @@ fine-grained and shared-expert models count their active parameters right, bad c
 import re
 
 import pytest
-import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from recipes import gpt
