@@ -61,7 +61,8 @@ class CapturableStep:
         self.report_every = report_every
         self.holding = False  # set while a graph captures the step: `finish` then runs after each replay
         self._checked_at = engine.global_steps  # the step up to which skipped steps were read
-        self._writes_seen = 0
+        self._skips_read = self._writes_seen = 0  # the device counters as last read
+        self.found = None  # the last step's overflow flag (a device tensor; a graph's is rewritten by each replay)
 
     def load_rates(self) -> None:
         """Copy each group's learning rate (set by the schedule on the host) into its device tensor."""
@@ -76,7 +77,7 @@ class CapturableStep:
             self.load_rates()
         grads = engine.zero.reduce(engine.module)
         proxies = precision.prepare_proxies(engine.units, grads)
-        found = precision.found_nonfinite(grads) if precision.watch else None
+        found = self.found = precision.found_nonfinite(grads) if precision.watch else None
         engine._grad_norm = None
         if clipping:
             engine._grad_norm = precision.global_norm(engine.units)
@@ -135,8 +136,9 @@ class CapturableStep:
         if not precision.watch:
             return
         skipped, for_writes = precision.read_skips()
-        new, since = skipped - engine.skipped_steps, self._checked_at
-        engine.skipped_steps, self._checked_at = skipped, engine.global_steps
+        new, since = skipped - self._skips_read, self._checked_at
+        engine.skipped_steps += new  # (a loaded checkpoint sets the count the device's adds to)
+        self._skips_read, self._checked_at = skipped, engine.global_steps
         if for_writes > self._writes_seen:
             self._writes_seen = for_writes
             what = "a step wrote inf or nan into the weights or optimizer states (is the learning rate far too large?)"

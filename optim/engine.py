@@ -308,7 +308,10 @@ class Engine:
         return (self.micro_steps + 1) % self.accumulation == 0
 
     def was_step_skipped(self) -> bool:
-        """Whether the last optimizer step was skipped (an fp16 overflow, or non-finite gradients with nonfinite: skip)."""
+        """Whether the last optimizer step was skipped (an fp16 overflow, or non-finite gradients with nonfinite: skip);
+        after a capturable step, a read of its device flag."""
+        if self.capturable is not None:
+            return self.capturable.found is not None and bool(self.capturable.found)
         return self._skipped_last
 
     def get_lr(self) -> list[float]:

@@ -35,12 +35,16 @@ def _engine(dtype="fp32", layout="padded", config=None, schedule=True, **model):
     return engine, cfg
 
 
-def _train(engine, cfg, steps=20, poison=None):
+def _train(engine, cfg, steps=20, poison=None, first=1):
+    """Steps first..steps on the same batches every run; a run from step 1 seeds the router's sampling."""
     generator = torch.Generator().manual_seed(1)
-    torch.manual_seed(2)  # the router samples its second choice
+    if first == 1:
+        torch.manual_seed(2)  # the router samples its second choice (a checkpoint keeps the state)
     losses = []
     for step in range(1, steps + 1):
         tokens = torch.randint(256, (cfg.batch_size, cfg.seq_len + 1), generator=generator)
+        if step < first:
+            continue
         x, y = tokens[:, :-1], tokens[:, 1:]
         logits, l_aux, z_loss = engine(x)
         loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten())
@@ -79,9 +83,31 @@ def test_fp16_overflows_skip_the_same_steps_on_the_device():
     assert usual.skipped_steps > 2
     assert torch.equal(usual_losses, losses)
     assert capturable.skipped_steps == usual.skipped_steps  # read at step 20, a multiple of report_every
+    assert capturable.was_step_skipped() == usual.was_step_skipped()
     assert capturable.loss_scale == usual.loss_scale
     assert capturable.scaler.state_dict() == usual.scaler.state_dict()
     for a, b in zip(usual.module.parameters(), capturable.module.parameters()):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.slow
+def test_a_checkpoint_of_a_capturable_run_resumes_it(tmp_path):
+    fp16 = {"fp16": {"enabled": True, "initial_scale_power": 30, "loss_scale_window": 4, "hysteresis": 2}}
+    usual, cfg = _engine("fp16", config=fp16, schedule=False)
+    straight = _train(usual, cfg, steps=10)
+    first, _ = _engine("fp16", config=fp16, schedule=False)
+    first.set_capturable(report_every=4)
+    before = _train(first, cfg, steps=6)  # step 6 is not a read: saving reads the skip counters first
+    first.save_checkpoint(str(tmp_path))
+    assert first.skipped_steps > 0  # read when saving, though step 6 is not a multiple of report_every
+    resumed, _ = _engine("fp16", config=fp16, schedule=False)
+    resumed.set_capturable(report_every=4)
+    resumed.load_checkpoint(str(tmp_path))
+    after = _train(resumed, cfg, steps=10, first=7)
+    assert torch.equal(torch.cat([before, after]), straight)
+    resumed.flush_report()
+    assert resumed.skipped_steps == usual.skipped_steps and resumed.loss_scale == usual.loss_scale
+    for a, b in zip(usual.module.parameters(), resumed.module.parameters()):
         assert torch.equal(a, b)
 
 
