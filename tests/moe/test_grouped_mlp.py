@@ -64,7 +64,7 @@ def _gradients(function, operands: dict) -> dict:
 
 
 def _plan(plan):
-    return lambda *operands: grouped_mlp_module._PLANS[plan].apply(*operands, COUNTS, ("gelu", "none"))
+    return lambda *operands: grouped_mlp_module._PLANS[plan].apply(*operands, COUNTS, ("gelu", "none", False))
 
 
 @pytest.mark.parametrize("plan", [*PLANS, "per_expert@by_expert"])
@@ -168,7 +168,7 @@ def test_the_backward_holds_the_hidden_gradient_of_few_experts_at_a_time(plan, m
     x = torch.randn(N, M, generator=g).requires_grad_()
     w1, b1 = (torch.randn(L, H, M, generator=g) / 4).requires_grad_(), torch.randn(L, H, generator=g).requires_grad_()
     w2, b2 = (torch.randn(L, M, H, generator=g) / 4).requires_grad_(), torch.randn(L, M, generator=g).requires_grad_()
-    y = grouped_mlp_module._PLANS[plan].apply(x, w1, b1, w2, b2, counts, ("gelu", "none"))
+    y = grouped_mlp_module._PLANS[plan].apply(x, w1, b1, w2, b2, counts, ("gelu", "none", False))
     grad_y = torch.randn(y.shape, generator=g)
     with LiveBytes() as live:
         y.backward(grad_y)
@@ -196,12 +196,12 @@ def test_the_hidden_gradient_of_all_rows_gives_the_numbers_of_expert_by_expert(a
     calls = []
     real = grouped_mlp_module._activation_backward
     monkeypatch.setattr(grouped_mlp_module, "_activation_backward",
-                        lambda *args: calls.append(args[2].shape) or real(*args))
+                        lambda *args: calls.append(args[1].shape) or real(*args))
 
     def run(bound):
         monkeypatch.setattr(grouped_mlp_module, "WHOLE_HIDDEN_BYTES", bound)
         calls.clear()
-        grads = _gradients(lambda *ops: grouped_mlp_module._PerExpertMLP.apply(*ops, COUNTS, (activation, "none")),
+        grads = _gradients(lambda *ops: grouped_mlp_module._PerExpertMLP.apply(*ops, COUNTS, (activation, "none", False)),
                            operands)
         return grads, list(calls)
 
