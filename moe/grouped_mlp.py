@@ -8,7 +8,8 @@ rows then its up rows, [L, 2H, M], so that one product makes h = [gate | up], an
 step is a = act(gate) * up, [N, H]; W2 is [L, M, H] as for the plain MLP. Its backward takes
 grad_a = grad_y W2 to grad_gate = grad_a * up * act'(gate) and grad_up = grad_a * act(gate), [N, 2H],
 the hidden gradient the rest of the backward uses as the plain MLP's. Both forms keep h and a for the
-backward (the plain MLP only a where its activation's backward needs no more).
+backward (the plain MLP only a where its activation's backward needs no more). The autograd functions
+below take the activation as one tuple, (name, approximate, gated).
 
 Three implementations, equal up to the order of fp32 sums:
 - per expert: one autograd function runs each expert's products on its rows, so empty capacity
