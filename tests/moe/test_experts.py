@@ -7,7 +7,6 @@ against the fp32 loop 2e-2, as the layer's half-precision test.
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from moe import Experts, MoE, SwiGLU
