@@ -15,7 +15,7 @@ for _old, _new in {
     sys.modules[f"{__name__}.{_old}"] = _new
     globals()[_old] = _new  # `import moe.gating` binds `moe`, then reads moe.gating from here
 
-from moe.experts import Experts  # noqa: E402
+from moe.experts import Experts, SwiGLU  # noqa: E402
 from moe.layer import MOELayer, MoE  # noqa: E402
 from moe.router import (  # noqa: E402
     Routing, TopKGate, TopKGateConfig, expert_choice_gating, top1gating, top2gating, topkgating, update_routing,
@@ -24,7 +24,7 @@ from moe.upcycling import upcycle  # noqa: E402
 from parallel import is_moe_param, split_params_into_different_moe_groups_for_optimizer  # noqa: E402
 
 __all__ = [
-    "Experts", "MOELayer", "MoE", "Routing", "TopKGate", "TopKGateConfig", "expert_choice_gating", "is_moe_param",
-    "split_params_into_different_moe_groups_for_optimizer", "top1gating", "top2gating", "topkgating",
+    "Experts", "MOELayer", "MoE", "Routing", "SwiGLU", "TopKGate", "TopKGateConfig", "expert_choice_gating",
+    "is_moe_param", "split_params_into_different_moe_groups_for_optimizer", "top1gating", "top2gating", "topkgating",
     "update_routing", "upcycle",
 ]

@@ -4,9 +4,17 @@ Shape legend: N rows of the dispatch buffer, M model dim, H expert hidden dim, L
 C capacity.
 
 Any `nn.Module` works: it is deep-copied per local expert (DeepSpeed's behaviour) and called once per
-expert on that expert's rows. A plain MLP (Linear, elementwise activation, Linear) is instead held as
-stacked weights, weight1 [L, H, M], bias1 [L, H], weight2 [L, M, H], bias2 [L, M], and run without a
-module call per expert, in one of two layouts:
+expert on that expert's rows. Two forms are instead held as stacked weights and run without a module
+call per expert:
+
+- a plain MLP, nn.Sequential(Linear, elementwise activation, Linear): weight1 [L, H, M], bias1 [L, H],
+  weight2 [L, M, H], bias2 [L, M];
+- a gated MLP, `SwiGLU` (down(act(gate(x)) * up(x)), no biases): weight1 [L, 2H, M], each expert's
+  gate rows then its up rows, so that one product makes both, and weight2 [L, M, H]; no biases.
+
+The gated form is recognised by its type, `SwiGLU` exactly: a module that merely has gate_proj,
+up_proj and down_proj may compute something else with them, and a stacked run must equal its loop.
+Either form runs in one of these layouts:
 
 - packed: rows sorted by expert with no padding; products per expert on its slice, or one grouped
   GEMM for all experts (`kernels.grouped_gemm`), so empty capacity slots cost nothing
@@ -23,15 +31,57 @@ import torch
 from torch import nn
 
 from moe.autocast import autocast_dtype
-from moe.grouped_mlp import _ACTIVATION_FUNCTIONS, grouped_mlp
+from moe.grouped_mlp import apply_activation, grouped_mlp
 from parallel import tag_expert_ids, tag_expert_parameters, tag_template_copy
 
-__all__ = ["Experts"]
+__all__ = ["Experts", "SwiGLU"]
 
 # Elementwise activation modules the stacked path runs itself, by name.
 _ACTIVATIONS = {nn.ReLU: "relu", nn.GELU: "gelu", nn.SiLU: "silu", nn.Tanh: "tanh", nn.Sigmoid: "sigmoid"}
-_STACKED_KEYS = ("weight1", "bias1", "weight2", "bias2")
-_MODULE_KEYS = ((0, "weight"), (0, "bias"), (2, "weight"), (2, "bias"))  # the same tensors in Sequential form
+# each stacked tensor and the module parameters it holds, per expert concatenated on dim 0, by form
+_MODULE_KEYS = {
+    "plain": {"weight1": ("0.weight",), "bias1": ("0.bias",), "weight2": ("2.weight",), "bias2": ("2.bias",)},
+    "gated": {"weight1": ("gate_proj.weight", "up_proj.weight"), "weight2": ("down_proj.weight",)},
+}
+
+
+class SwiGLU(nn.Module):
+    """A gated MLP expert, as Mixtral, Qwen-MoE, DeepSeek-V3 and OLMoE have them: down(act(gate(x)) * up(x)),
+    no biases. With an activation module among nn.ReLU, GELU, SiLU, Tanh and Sigmoid, `Experts` holds its
+    copies as stacked weights; with any other, as module copies.
+
+    Args:
+        hidden_size: M.
+        intermediate_size: H.
+        act_fn: the activation module (default nn.SiLU()).
+    """
+
+    def __init__(self, hidden_size: int, intermediate_size: int, act_fn: nn.Module | None = None):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.act_fn = nn.SiLU() if act_fn is None else act_fn
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+def _stackable(expert: nn.Module):
+    """(form, activation name, gelu approximation, has biases) when `expert` is a plain or a gated MLP the
+    stacked path runs, else None."""
+    mlp = _plain_mlp(expert)
+    if mlp is not None:
+        first, name, approximate, _ = mlp
+        return "plain", name, approximate, first.bias is not None
+    if type(expert) is not SwiGLU or type(expert.act_fn) not in _ACTIVATIONS:
+        return None
+    gate, up, down = expert.gate_proj, expert.up_proj, expert.down_proj
+    if any(type(p) is not nn.Linear or p.bias is not None for p in (gate, up, down)):
+        return None
+    if gate.weight.shape != up.weight.shape or down.in_features != gate.out_features:
+        return None
+    return "gated", _ACTIVATIONS[type(expert.act_fn)], getattr(expert.act_fn, "approximate", "none"), False
 
 
 def _plain_mlp(expert: nn.Module):
@@ -92,22 +142,23 @@ class Experts(nn.Module):
             raise TypeError(f"expert must be an nn.Module, got {type(expert).__name__}")
         if stacked not in (True, False, "auto"):
             raise ValueError(f"stacked must be True, False or 'auto', got {stacked!r}")
-        mlp = _plain_mlp(expert)
-        if stacked is True and mlp is None:
+        form = _stackable(expert)
+        if stacked is True and form is None:
             raise ValueError(
-                f"stacked=True needs an nn.Sequential(Linear, activation, Linear) expert with an activation "
-                f"among {sorted(_ACTIVATIONS.values())}, got {type(expert).__name__}"
+                f"stacked=True needs an nn.Sequential(Linear, activation, Linear) or a moe.SwiGLU expert without "
+                f"biases, with an activation among {sorted(_ACTIVATIONS.values())}, got {type(expert).__name__}"
             )
         self.num_local_experts = num_local_experts
-        self.stacked = mlp is not None and stacked in (True, "auto")
+        self.stacked = form is not None and stacked in (True, "auto")
+        self.gated = self.stacked and form[0] == "gated"
         copies = [_copy_expert(expert, seed, e) for e in range(num_local_experts)]
         if self.stacked:
-            _, self.activation, self.approximate, _ = mlp
-            self.weight1 = nn.Parameter(torch.stack([c[0].weight.detach() for c in copies]))
-            self.weight2 = nn.Parameter(torch.stack([c[2].weight.detach() for c in copies]))
-            has_bias = mlp[0].bias is not None
-            self.bias1 = nn.Parameter(torch.stack([c[0].bias.detach() for c in copies])) if has_bias else None
-            self.bias2 = nn.Parameter(torch.stack([c[2].bias.detach() for c in copies])) if has_bias else None
+            _, self.activation, self.approximate, has_bias = form
+            self.bias1 = self.bias2 = None
+            keys = _MODULE_KEYS[form[0]]
+            for key in ("weight1", "weight2", "bias1", "bias2") if has_bias else ("weight1", "weight2"):
+                parts = [torch.cat([c.get_parameter(name).detach() for name in keys[key]]) for c in copies]
+                setattr(self, key, nn.Parameter(torch.stack(parts)))
         else:
             self.deepspeed_experts = nn.ModuleList(copies)
         self._tags = (expert_group_name, seed[1] if seed is not None else first_expert, use_data_before_expert_parallel)
@@ -190,7 +241,7 @@ class Experts(nn.Module):
             if dtype is not None:  # autocast does not reach the grouped products
                 buffer_NM = buffer_NM.to(dtype)
                 weights = tuple(w.to(dtype) if w is not None else None for w in weights)
-            return grouped_mlp(buffer_NM, *weights, counts, self.activation, self.approximate, grouped_gemm)
+            return grouped_mlp(buffer_NM, *weights, counts, self.activation, self.approximate, grouped_gemm, self.gated)
         outputs = []
         for expert, chunk in zip(self.deepspeed_experts, torch.split(buffer_NM, counts)):
             out = expert(chunk)
@@ -200,21 +251,43 @@ class Experts(nn.Module):
     def _padded(self, buffer_NM: torch.Tensor) -> torch.Tensor:
         x_LCM = buffer_NM.view(self.num_local_experts, -1, buffer_NM.shape[1])
         h_LCH = _batched_linear(x_LCM, self.weight1, self.bias1)
-        a_LCH = _ACTIVATION_FUNCTIONS[self.activation](h_LCH, self.approximate)
+        a_LCH = apply_activation(h_LCH, self.activation, self.approximate, self.gated)  # gated: h is [gate | up]
         y_LCM = _batched_linear(a_LCH, self.weight2, self.bias2)
         return y_LCM.reshape(-1, y_LCM.shape[2])
 
+    def expert_tensors(self, local: int) -> dict[str, torch.Tensor]:
+        """Local expert `local`'s parameters under its module's names ("0.weight", "gate_proj.weight", ...):
+        the module's own when held as copies; when stacked, views of the stacked weights (writes under
+        no_grad reach the layer)."""
+        if not self.stacked:
+            return dict(self.deepspeed_experts[local].named_parameters())
+        tensors = {}
+        for key, names in _MODULE_KEYS[self._form].items():
+            stacked = getattr(self, key)
+            if stacked is not None:
+                tensors.update(zip(names, stacked[local].chunk(len(names))))
+        return tensors
+
+    @property
+    def _form(self) -> str:
+        """The module form whose keys the experts' state dict converts to and from: "gated" or "plain"."""
+        if self.stacked:
+            return "gated" if self.gated else "plain"
+        return "gated" if hasattr(self.deepspeed_experts[0], "gate_proj") else "plain"
+
     def _convert_state_dict(self, state_dict, prefix, *args):
         """Accept the other layout's keys: per-expert module keys into stacked ones, or the reverse."""
-        if self.stacked and f"{prefix}deepspeed_experts.0.0.weight" in state_dict:
-            for key, (index, param) in zip(_STACKED_KEYS, _MODULE_KEYS):
-                parts = [state_dict.pop(f"{prefix}deepspeed_experts.{e}.{index}.{param}", None)
-                         for e in range(self.num_local_experts)]
-                if all(p is not None for p in parts):
-                    state_dict[prefix + key] = torch.stack(parts)
+        keys, experts = _MODULE_KEYS[self._form], range(self.num_local_experts)
+        if self.stacked and f"{prefix}deepspeed_experts.0.{keys['weight1'][0]}" in state_dict:
+            for key, names in keys.items():
+                parts = [[state_dict.pop(f"{prefix}deepspeed_experts.{e}.{name}", None) for name in names]
+                         for e in experts]
+                if all(p is not None for expert in parts for p in expert):
+                    state_dict[prefix + key] = torch.stack([torch.cat(expert) for expert in parts])
         elif not self.stacked and f"{prefix}weight1" in state_dict:
-            for key, (index, param) in zip(_STACKED_KEYS, _MODULE_KEYS):
+            for key, names in keys.items():
                 stacked = state_dict.pop(prefix + key, None)
                 if stacked is not None:
-                    for e in range(self.num_local_experts):
-                        state_dict[f"{prefix}deepspeed_experts.{e}.{index}.{param}"] = stacked[e]
+                    for e in experts:
+                        for name, part in zip(names, stacked[e].chunk(len(names))):
+                            state_dict[f"{prefix}deepspeed_experts.{e}.{name}"] = part

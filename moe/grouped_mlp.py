@@ -3,6 +3,14 @@
 Shape legend: N packed rows (sorted by expert, no padding), M model dim, H expert hidden dim,
 L local experts.
 
+Gated (`gated=True`, the SwiGLU MLP of Mixtral, Qwen, DeepSeek, OLMoE): W1 holds each expert's gate
+rows then its up rows, [L, 2H, M], so that one product makes h = [gate | up], and the activation
+step is a = act(gate) * up, [N, H]; W2 is [L, M, H] as for the plain MLP. Its backward takes
+grad_a = grad_y W2 to grad_gate = grad_a * up * act'(gate) and grad_up = grad_a * act(gate), [N, 2H],
+the hidden gradient the rest of the backward uses as the plain MLP's. Both forms keep h and a for the
+backward (the plain MLP only a where its activation's backward needs no more). The autograd functions
+below take the activation as one tuple, (name, approximate, gated).
+
 Three implementations, equal up to the order of fp32 sums:
 - per expert: one autograd function runs each expert's products on its rows, so empty capacity
   slots cost nothing; large temporaries (activations, their gradients) live in the CPU workspace and
@@ -37,7 +45,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from kernels import cpu, grouped_mm, grouped_mm_t, grouped_sum
 from kernels.grouped_gemm import group_offsets, runs_natively
 
-__all__ = ["ACTIVATIONS", "grouped_mlp"]
+__all__ = ["ACTIVATIONS", "apply_activation", "grouped_mlp"]
 
 ACTIVATIONS = ("relu", "gelu", "silu", "tanh", "sigmoid")
 # multiply-adds of the first product from which the concurrent plan is a candidate when its workers
@@ -64,7 +72,26 @@ _ACTIVATION_FUNCTIONS = {
 _NEEDS_INPUT = ("gelu", "silu")  # activations whose backward needs the pre-activation, not only the output
 
 
-def _activate(name: str, approximate: str, h: torch.Tensor, out: torch.Tensor) -> None:
+def apply_activation(h: torch.Tensor, activation: str, approximate: str = "none", gated: bool = False) -> torch.Tensor:
+    """act(h), or for a gated MLP act(gate) * up of h = [gate | up] (last dimension); differentiable by autograd."""
+    if not gated:
+        return _ACTIVATION_FUNCTIONS[activation](h, approximate)
+    gate, up = h.chunk(2, dim=-1)
+    return _ACTIVATION_FUNCTIONS[activation](gate, approximate) * up
+
+
+def _activate(activation: tuple, h: torch.Tensor, out: torch.Tensor) -> None:
+    """out = act(h), elementwise; gated, out = act(h[:, :H]) * h[:, H:] for out of width H."""
+    name, approximate, gated = activation
+    if gated:
+        width = out.shape[-1]
+        _activate_elementwise(name, approximate, h[..., :width], out)
+        out.mul_(h[..., width:])
+    else:
+        _activate_elementwise(name, approximate, h, out)
+
+
+def _activate_elementwise(name: str, approximate: str, h: torch.Tensor, out: torch.Tensor) -> None:
     """out = act(h), elementwise."""
     if name == "relu":
         torch.clamp_min(h, 0, out=out)
@@ -78,7 +105,26 @@ def _activate(name: str, approximate: str, h: torch.Tensor, out: torch.Tensor) -
         torch.ops.aten.silu.out(h, out=out)
 
 
-def _activation_backward(name: str, approximate: str, grad_a, h, a, out) -> None:
+def _activation_backward(activation: tuple, grad_a, h, a, out) -> None:
+    """out = the gradient of h from grad_a, the gradient of the activation's output a = act(h).
+
+    Plain: out = grad_a * act'(h) (out may be grad_a itself). Gated, h = [gate | up] of width 2H and
+    grad_a of width H: out[:, :H] = grad_a * up * act'(gate), out[:, H:] = grad_a * act(gate), with
+    act(gate) made in out[:, H:] first (the output the backwards of ReLU, Tanh and Sigmoid read).
+    """
+    name, approximate, gated = activation
+    if not gated:
+        _elementwise_backward(name, approximate, grad_a, h, a, out)
+        return
+    width = grad_a.shape[-1]
+    gate, up, grad_gate, grad_up = h[..., :width], h[..., width:], out[..., :width], out[..., width:]
+    _activate_elementwise(name, approximate, gate, grad_up)
+    torch.mul(grad_a, up, out=grad_gate)
+    _elementwise_backward(name, approximate, grad_gate, gate, grad_up, grad_gate)
+    grad_up.mul_(grad_a)
+
+
+def _elementwise_backward(name: str, approximate: str, grad_a, h, a, out) -> None:
     """out = grad_a * act'(.), from the output a (ReLU, Tanh, Sigmoid) or the input h (GELU, SiLU)."""
     ops = torch.ops.aten
     if name == "relu":
@@ -112,12 +158,14 @@ def _per_expert(param: torch.Tensor | None, num_experts: int) -> tuple:
     return (None,) * num_experts if param is None else param.unbind(0)
 
 
-def _forward_buffers(x_NM, weight1, weight2, name: str) -> tuple:
-    """The forward's workspace buffers h_NH (pre-activation), a_NH (activation) and y_NM; h_NH is a_NH
-    itself (activated in place) when the activation's backward needs only its output."""
-    N, H, M_out = x_NM.shape[0], weight1.shape[1], weight2.shape[1]
-    a_NH = cpu.empty((N, H), x_NM.dtype, x_NM.device)
-    h_NH = cpu.empty((N, H), x_NM.dtype, x_NM.device) if name in _NEEDS_INPUT else a_NH
+def _forward_buffers(x_NM, weight1, weight2, activation: tuple) -> tuple:
+    """The forward's workspace buffers h_NH (pre-activation, [N, 2H] when gated), a_NH (activation) and
+    y_NM; h_NH is a_NH itself (activated in place) when the activation's backward needs only its output."""
+    name, _, gated = activation
+    N, M_out = x_NM.shape[0], weight2.shape[1]
+    a_NH = cpu.empty((N, weight2.shape[2]), x_NM.dtype, x_NM.device)
+    separate = gated or name in _NEEDS_INPUT
+    h_NH = cpu.empty((N, weight1.shape[1]), x_NM.dtype, x_NM.device) if separate else a_NH
     return h_NH, a_NH, cpu.empty((N, M_out), x_NM.dtype, x_NM.device)
 
 
@@ -153,25 +201,36 @@ def _backward_buffers(ctx, grad_y_NM) -> SimpleNamespace:
     return b
 
 
-def _hidden_gradient(b: SimpleNamespace, activation: tuple, e: int, w2_t, grad_h: torch.Tensor) -> torch.Tensor:
-    """Expert e's hidden gradient written into grad_h ([n_e, H], contiguous): grad_y W2, then the
-    activation's backward in place."""
-    b.product_h(b.grad_y_e[e], w2_t[e], None, grad_h)
-    _activation_backward(*activation, grad_h, b.h_e[e], b.a_e[e], grad_h)
+def _hidden_buffers(activation: tuple, rows: int, a_NH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(grad_h, grad_a) buffers of `rows` rows: one buffer, the activation's backward in place, for a plain
+    MLP; gated, grad_h [rows, 2H] and grad_a [rows, H] (grad_y W2, before the gated backward)."""
+    H = a_NH.shape[1]
+    grad_a = cpu.empty((rows, H), a_NH.dtype, a_NH.device)
+    return (cpu.empty((rows, 2 * H), a_NH.dtype, a_NH.device), grad_a) if activation[2] else (grad_a, grad_a)
+
+
+def _hidden_gradient(b: SimpleNamespace, activation: tuple, e: int, w2_t, grad_h: torch.Tensor,
+                     grad_a: torch.Tensor) -> torch.Tensor:
+    """Expert e's hidden gradient written into grad_h ([n_e, H], or [n_e, 2H] when gated; contiguous):
+    grad_y W2 into grad_a (grad_h itself when plain), then the activation's backward."""
+    b.product_h(b.grad_y_e[e], w2_t[e], None, grad_a)
+    _activation_backward(activation, grad_a, b.h_e[e], b.a_e[e], grad_h)
     return grad_h
 
 
 def _whole_hidden_gradient(ctx, b: SimpleNamespace, w2_t) -> tuple | None:
-    """Each expert's rows of one [N, H] hidden gradient, one activation backward for all; None past the bound."""
+    """Each expert's rows of one [N, H] hidden gradient ([N, 2H] gated), one activation backward for all;
+    None past the bound."""
     N, H = b.a_NH.shape
-    if N * H * b.a_NH.element_size() > WHOLE_HIDDEN_BYTES:
+    width = 3 * H if ctx.activation[2] else H  # gated: grad_h [N, 2H] and grad_a [N, H]
+    if N * width * b.a_NH.element_size() > WHOLE_HIDDEN_BYTES:
         return None
-    grad_h_NH = cpu.empty((N, H), b.a_NH.dtype, b.a_NH.device)
-    grad_h_e = grad_h_NH.split_with_sizes(ctx.counts)
+    grad_h_NH, grad_a_NH = _hidden_buffers(ctx.activation, N, b.a_NH)
+    grad_a_e = grad_a_NH.split_with_sizes(ctx.counts)
     for e in _nonempty(ctx.counts):
-        b.product_h(b.grad_y_e[e], w2_t[e], None, grad_h_e[e])
-    _activation_backward(*ctx.activation, grad_h_NH, b.h_NH, b.a_NH, grad_h_NH)
-    return grad_h_e
+        b.product_h(b.grad_y_e[e], w2_t[e], None, grad_a_e[e])
+    _activation_backward(ctx.activation, grad_a_NH, b.h_NH, b.a_NH, grad_h_NH)
+    return grad_h_NH.split_with_sizes(ctx.counts)
 
 
 # an expert's backward in two independent parts: "h", what needs its hidden gradient (the input's
@@ -217,14 +276,15 @@ def _expert_backward(ctx, b: SimpleNamespace, slots: int):
     grad_h_e = _whole_hidden_gradient(ctx, b, w2_t) if one and b.needs_h else None
     if b.needs_h and grad_h_e is None:
         for _ in range(min(slots, len(experts))):
-            buffers.put(cpu.empty((max(ctx.counts), b.a_NH.shape[1]), b.a_NH.dtype, b.a_NH.device))
+            buffers.put(_hidden_buffers(ctx.activation, max(ctx.counts), b.a_NH))
 
     def expert(e: int, parts: tuple = _ALL_PARTS) -> None:
         if not b.needs_h or grad_h_e is not None or "h" not in parts:
             _expert_gradients(b, e, w1_t, None if grad_h_e is None else grad_h_e[e], parts)
             return
-        buffer = buffers.get()
-        _expert_gradients(b, e, w1_t, _hidden_gradient(b, ctx.activation, e, w2_t, buffer[:ctx.counts[e]]), parts)
+        grad_h, grad_a = buffer = buffers.get()
+        rows = ctx.counts[e]
+        _expert_gradients(b, e, w1_t, _hidden_gradient(b, ctx.activation, e, w2_t, grad_h[:rows], grad_a[:rows]), parts)
         buffers.put(buffer)
 
     return expert
@@ -237,15 +297,14 @@ def _gradients(b: SimpleNamespace) -> tuple:
 class _PerExpertMLP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_NM, weight1, bias1, weight2, bias2, counts, activation):
-        name, approximate = activation
-        h_NH, a_NH, y_NM = _forward_buffers(x_NM, weight1, weight2, name)
+        h_NH, a_NH, y_NM = _forward_buffers(x_NM, weight1, weight2, activation)
         w1, w2, b1, b2 = (_per_expert(p, weight1.shape[0]) for p in (weight1, weight2, bias1, bias2))
         x_e, h_e, a_e, y_e = (t.split_with_sizes(counts) for t in (x_NM, h_NH, a_NH, y_NM))
         experts = _nonempty(counts)
         first, second = (cpu.by_rows_class("linear") for _ in range(2))
         for e in experts:
             first(x_e[e], w1[e], b1[e], h_e[e])
-        _activate(name, approximate, h_NH, a_NH)  # one call for every row: faster than one per expert
+        _activate(activation, h_NH, a_NH)  # one call for every row: faster than one per expert
         for e in experts:
             second(a_e[e], w2[e], b2[e], y_e[e])
         _save(ctx, x_NM, weight1, weight2, h_NH, a_NH, counts, activation)
@@ -280,8 +339,7 @@ class _ConcurrentMLP(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x_NM, weight1, bias1, weight2, bias2, counts, activation):
-        name, approximate = activation
-        h_NH, a_NH, y_NM = _forward_buffers(x_NM, weight1, weight2, name)
+        h_NH, a_NH, y_NM = _forward_buffers(x_NM, weight1, weight2, activation)
         w1, w2, b1, b2 = (_per_expert(p, weight1.shape[0]) for p in (weight1, weight2, bias1, bias2))
         x_e, h_e, a_e, y_e = (t.split_with_sizes(counts) for t in (x_NM, h_NH, a_NH, y_NM))
 
@@ -289,7 +347,7 @@ class _ConcurrentMLP(torch.autograd.Function):
             e, start, length = item
             x, h, a, y = (t[e] if length == counts[e] else t[e].narrow(0, start, length) for t in (x_e, h_e, a_e, y_e))
             cpu.linear(x, w1[e], b1[e], h)
-            _activate(name, approximate, h, a)
+            _activate(activation, h, a)
             cpu.linear(a, w2[e], b2[e], y)
 
         cpu.run_each(rows, _forward_items(counts, cpu.workers()))
@@ -337,7 +395,6 @@ class _GroupedGemmMLP(torch.autograd.Function):
     def forward(ctx, x_NM, weight1, bias1, weight2, bias2, counts, activation):
         # counts: a list, or an int tensor on the device (then rows after sum(counts) are padding);
         # nothing here reads the counts on the host
-        name, approximate = activation
         counts_L = counts if isinstance(counts, torch.Tensor) else torch.tensor(counts, device=x_NM.device)
         offsets_L = group_offsets(counts_L)  # made once for the layer's products and bias sums
         # the expert of every row, padding rows counted with the last expert (their values are never read)
@@ -346,8 +403,8 @@ class _GroupedGemmMLP(torch.autograd.Function):
         h_NH = grouped_mm(x_NM, weight1.transpose(1, 2), counts_L, offsets_L)
         if bias1 is not None:
             h_NH += bias1.index_select(0, expert_N)
-        a_NH = torch.empty_like(h_NH)
-        _activate(name, approximate, h_NH, a_NH)
+        a_NH = h_NH.new_empty((h_NH.shape[0], weight2.shape[2]))
+        _activate(activation, h_NH, a_NH)
         y_NM = grouped_mm(a_NH, weight2.transpose(1, 2), counts_L, offsets_L)
         if bias2 is not None:
             y_NM += bias2.index_select(0, expert_N)
@@ -359,13 +416,13 @@ class _GroupedGemmMLP(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_y_NM):
         x_NM, weight1, weight2, h_NH, a_NH, counts_L, offsets_L = ctx.saved_tensors
-        name, approximate = ctx.activation
         needs_x, needs_w1, needs_b1, needs_w2, needs_b2 = ctx.needs_input_grad[:5]
         grad_y_NM = grad_y_NM.contiguous()
         grad_x_NM = grad_w1 = grad_b1 = grad_w2 = grad_b2 = grad_h_NH = None
         if needs_x or needs_w1 or needs_b1:
-            grad_h_NH = grouped_mm(grad_y_NM, weight2, counts_L, offsets_L)
-            _activation_backward(name, approximate, grad_h_NH, h_NH, a_NH, grad_h_NH)
+            grad_a_NH = grouped_mm(grad_y_NM, weight2, counts_L, offsets_L)
+            grad_h_NH = torch.empty_like(h_NH) if ctx.activation[2] else grad_a_NH  # gated: [N, 2H] from [N, H]
+            _activation_backward(ctx.activation, grad_a_NH, h_NH, a_NH, grad_h_NH)
         if needs_x:
             grad_x_NM = grouped_mm(grad_h_NH, weight1, counts_L, offsets_L)
         if needs_w2:
@@ -378,7 +435,7 @@ class _GroupedGemmMLP(torch.autograd.Function):
         return grad_x_NM, grad_w1, grad_b1, grad_w2, grad_b2, None, None
 
 
-def _traced_mlp(x_NM, weight1, bias1, weight2, bias2, counts: list[int], activation: str, approximate: str):
+def _traced_mlp(x_NM, weight1, bias1, weight2, bias2, counts: list[int], activation: tuple):
     """Plain per-expert products for torch.compile, which differentiates and fuses them itself.
 
     The autograd functions above manage memory and oneDNN primitives by hand (workspace buffers,
@@ -388,7 +445,7 @@ def _traced_mlp(x_NM, weight1, bias1, weight2, bias2, counts: list[int], activat
     outputs = []
     for e, x in enumerate(x_NM.split(counts)):
         h = F.linear(x, weight1[e], None if bias1 is None else bias1[e])
-        a = _ACTIVATION_FUNCTIONS[activation](h, approximate)
+        a = apply_activation(h, *activation)
         outputs.append(F.linear(a, weight2[e], None if bias2 is None else bias2[e]))
     return torch.cat(outputs)
 
@@ -396,7 +453,7 @@ def _traced_mlp(x_NM, weight1, bias1, weight2, bias2, counts: list[int], activat
 def grouped_mlp(
     x_NM: torch.Tensor, weight1: torch.Tensor, bias1: torch.Tensor | None, weight2: torch.Tensor,
     bias2: torch.Tensor | None, counts: list[int], activation: str, approximate: str = "none",
-    use_grouped_gemm: bool | None = False,
+    use_grouped_gemm: bool | None = False, gated: bool = False,
 ) -> torch.Tensor:
     """Run L stacked MLP experts on their slices of packed rows; differentiable in x and every weight.
 
@@ -407,21 +464,28 @@ def grouped_mlp(
 
     Args:
         x_NM: packed rows, shape [N, M], expert 0's rows first.
-        weight1: shape [L, H, M]; bias1: [L, H] or None.
+        weight1: shape [L, H, M], gated [L, 2H, M] (each expert's gate rows, then its up rows); bias1:
+            [L, H] ([L, 2H]) or None.
         weight2: shape [L, M_out, H]; bias2: [L, M_out] or None.
         counts: rows per expert, L ints summing to N; with use_grouped_gemm also an int tensor [L] on
             the rows' device summing to at most N (the rows after them are padding, their outputs unspecified).
         activation: one of ACTIVATIONS; approximate: GELU's approximation ("none" or "tanh").
         use_grouped_gemm: one grouped GEMM per layer (True), products per expert (False), or measured (None).
+        gated: the gated MLP, y = (act(x W_gate^T) * (x W_up^T)) W2^T (biases added where given).
 
     Returns:
         y_NM: shape [N, M_out].
 
     Raises:
-        ValueError: if the counts do not match the rows or experts, or the activation is unknown.
+        ValueError: if the counts do not match the rows or experts, the activation is unknown, or the
+            weights' hidden widths do not match (weight1's rows twice weight2's columns when gated).
     """
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+    if weight1.shape[1] != (2 if gated else 1) * weight2.shape[2]:
+        raise ValueError(f"weight1 must have {'twice ' if gated else ''}weight2's hidden width ({weight2.shape[2]}) "
+                         f"as its rows{' (gate, then up)' if gated else ''}, got weight1 {list(weight1.shape)} and "
+                         f"weight2 {list(weight2.shape)}")
     if isinstance(counts, torch.Tensor):
         if not use_grouped_gemm or counts.shape != (weight1.shape[0],):
             raise ValueError(f"counts given as a tensor must have shape [{weight1.shape[0]}] and need "
@@ -429,10 +493,10 @@ def grouped_mlp(
     elif len(counts) != weight1.shape[0] or sum(counts) != x_NM.shape[0]:
         raise ValueError(f"counts {counts} must have {weight1.shape[0]} entries summing to {x_NM.shape[0]}")
     if torch.compiler.is_compiling() and not isinstance(counts, torch.Tensor):
-        return _traced_mlp(x_NM, weight1, bias1, weight2, bias2, counts, activation, approximate)
+        return _traced_mlp(x_NM, weight1, bias1, weight2, bias2, counts, (activation, approximate, gated))
     plan = ("grouped" if use_grouped_gemm else "per_expert") if use_grouped_gemm is not None else \
-        _measured_plan(x_NM, weight1, bias1, weight2, bias2, counts, (activation, approximate))
-    return _PLANS[plan].apply(x_NM, weight1, bias1, weight2, bias2, counts, (activation, approximate))
+        _measured_plan(x_NM, weight1, bias1, weight2, bias2, counts, (activation, approximate, gated))
+    return _PLANS[plan].apply(x_NM, weight1, bias1, weight2, bias2, counts, (activation, approximate, gated))
 
 
 _PLANS = {"per_expert": _PerExpertMLP, "grouped": _GroupedGemmMLP, "concurrent": _ConcurrentMLP}
@@ -454,7 +518,7 @@ def _measured_plan(x_NM, weight1, bias1, weight2, bias2, counts: list[int], acti
     # are, all but the grouped GEMM, which would multiply in the half dtype itself, far slower than the others
     widened = cpu.widened_only(x_NM.dtype)
     if (not (cpu.measuring(x_NM.dtype) or widened)
-            or not cpu.worth_measuring(x_NM.shape[0] * (M * H + H * weight2.shape[1]))):
+            or not cpu.worth_measuring(x_NM.shape[0] * (M * H + weight2.shape[2] * weight2.shape[1]))):
         return "per_expert"
     operands = [t for t in (x_NM, weight1, bias1, weight2, bias2) if t is not None]
     # the gradients a training step asks for decide the backward's work (no input gradient: one
@@ -463,7 +527,8 @@ def _measured_plan(x_NM, weight1, bias1, weight2, bias2, counts: list[int], acti
     # nothing requiring a gradient at all, a full backward is timed
     needs = [t.requires_grad for t in operands]
     needs = needs if any(needs) else [True] * len(operands)
-    kind = "mlp" if all(needs) else "mlp@grads=" + "".join("01"[need] for need in needs)
+    kind = "gated_mlp" if activation[2] else "mlp"  # a gated MLP's class apart from a plain one of its widths
+    kind += "" if all(needs) else "@grads=" + "".join("01"[need] for need in needs)
     key = cpu.shape_key(kind, x_NM.shape[0], (L, M, H, weight2.shape[1]), x_NM.dtype, bias1)
     native = runs_natively(x_NM, weight1) and not widened
     kept = cpu.backend.kept(key)

@@ -6,9 +6,11 @@ Shape legend: S tokens, M model dim, H expert hidden dim, E experts.
 
 Supported (transformers >= 5, whose blocks hold their experts as stacked tensors; imported lazily, so
 `import moe` never needs it): Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3, OLMoE and GPT-OSS. The
-experts of these models are gated MLPs, `down(act(x W_gate) * (x W_up))` (GPT-OSS's with biases and
-clamped, `ClampedSwiGLU`), which our stacked experts do not hold (they are Linear-act-Linear), so
-each expert is a small module copied per expert. Routing maps onto the router options: softmax or
+experts of these models are gated MLPs, `down(act(x W_gate) * (x W_up))`: our stacked gated experts
+(`moe.SwiGLU`, weight1 [E, 2H, M] as the block's gate_up_proj, gate rows then up rows, and weight2
+[E, M, H] as its down_proj) where the model's activation is one the stacked path computes (silu,
+gelu, relu, tanh, sigmoid), module copies otherwise. GPT-OSS's, with biases, interleaved gate and up
+columns and clamps (`ClampedSwiGLU`), are module copies. Routing maps onto the router options: softmax or
 sigmoid scores, `norm_topk_prob`, `routed_scaling_factor`, the expert bias (DeepSeek-V3's
 `e_score_correction_bias`, moved after each optimizer step by `bias_update_speed`), group-limited
 top-k, and a router bias (GPT-OSS); nothing is dropped (`dropless`). GPT-OSS takes the softmax over
@@ -25,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from moe.experts import SwiGLU
 from moe.layer import MoE
 
 __all__ = ["DEEPSEEK_V3_BIAS_UPDATE_SPEED", "SUPPORTED", "ClampedSwiGLU", "HFMoEBlock", "SwiGLU", "convert",
@@ -42,24 +45,9 @@ SUPPORTED = tuple(_BLOCKS.values())
 DEEPSEEK_V3_BIAS_UPDATE_SPEED = 1e-3
 
 
-class SwiGLU(nn.Module):
-    """One gated expert as Mixtral, Qwen-MoE, DeepSeek-V3 and OLMoE have them: down(act(gate(x)) * up(x)), no biases.
-
-    Args:
-        hidden_size: M.
-        intermediate_size: H.
-        act_fn: the activation module (transformers' ACT2FN entry of the model's hidden_act).
-    """
-
-    def __init__(self, hidden_size: int, intermediate_size: int, act_fn: nn.Module):
-        super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
-        self.act_fn = act_fn
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+# transformers' hidden_act names whose ACT2FN function is a torch activation the stacked experts compute
+_HIDDEN_ACTS = {"silu": nn.SiLU, "swish": nn.SiLU, "relu": nn.ReLU, "gelu": nn.GELU,
+                "gelu_pytorch_tanh": lambda: nn.GELU(approximate="tanh"), "tanh": nn.Tanh, "sigmoid": nn.Sigmoid}
 
 
 class ClampedSwiGLU(nn.Module):
@@ -146,30 +134,27 @@ def _routing_options(block: nn.Module, model_type: str, config, bias_update_spee
     return options
 
 
-def _expert(experts: nn.Module, model_type: str) -> tuple[nn.Module, int]:
+def _expert(experts: nn.Module, model_type: str, config) -> tuple[nn.Module, int]:
     """A module computing one of the block's experts (weights to be copied in), and E."""
     if model_type == "gpt_oss":  # gate_up_proj [E, M, 2H] (gate and up columns interleaved), down_proj [E, H, M]
         num_experts, intermediate, hidden = experts.down_proj.shape
         return ClampedSwiGLU(hidden, intermediate, experts.alpha, experts.limit), num_experts
     num_experts, hidden, intermediate = experts.down_proj.shape  # gate_up_proj [E, 2H, M], down_proj [E, M, H]
-    return SwiGLU(hidden, intermediate, experts.act_fn), num_experts
+    # the block's act_fn is ACT2FN[config.hidden_act]: the same function as a torch module where there is
+    # one, so that the experts are stacked; any other stays the block's module, run per expert
+    act = getattr(config, "hidden_act", None)
+    return SwiGLU(hidden, intermediate, _HIDDEN_ACTS[act]() if act in _HIDDEN_ACTS else experts.act_fn), num_experts
 
 
-def _load_expert(expert: nn.Module, experts: nn.Module, e: int, model_type: str) -> None:
-    """Copy expert e of the block's stacked tensors into `expert`."""
+def _block_expert(experts: nn.Module, e: int, model_type: str) -> dict[str, torch.Tensor]:
+    """Expert e of the block's stacked tensors, under our expert module's parameter names."""
     if model_type == "gpt_oss":
         gate_up_MX, bias_X = experts.gate_up_proj[e], experts.gate_up_proj_bias[e]
-        expert.gate_proj.weight.copy_(gate_up_MX[:, 0::2].t())
-        expert.gate_proj.bias.copy_(bias_X[0::2])
-        expert.up_proj.weight.copy_(gate_up_MX[:, 1::2].t())
-        expert.up_proj.bias.copy_(bias_X[1::2])
-        expert.down_proj.weight.copy_(experts.down_proj[e].t())
-        expert.down_proj.bias.copy_(experts.down_proj_bias[e])
-        return
+        return {"gate_proj.weight": gate_up_MX[:, 0::2].t(), "gate_proj.bias": bias_X[0::2],
+                "up_proj.weight": gate_up_MX[:, 1::2].t(), "up_proj.bias": bias_X[1::2],
+                "down_proj.weight": experts.down_proj[e].t(), "down_proj.bias": experts.down_proj_bias[e]}
     w_gate, w_up = experts.gate_up_proj[e].chunk(2, dim=0)
-    expert.gate_proj.weight.copy_(w_gate)
-    expert.up_proj.weight.copy_(w_up)
-    expert.down_proj.weight.copy_(experts.down_proj[e])
+    return {"gate_proj.weight": w_gate, "up_proj.weight": w_up, "down_proj.weight": experts.down_proj[e]}
 
 
 def _interleaved(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -177,16 +162,19 @@ def _interleaved(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return torch.stack([gate, up], dim=-1).flatten(-2)
 
 
-def _stacked(experts: list[nn.Module], model_type: str) -> dict[str, torch.Tensor]:
-    """The block's stacked expert tensors, by name, for the given expert modules (in their order)."""
+def _stacked(experts: list[dict[str, torch.Tensor]], model_type: str) -> dict[str, torch.Tensor]:
+    """The block's stacked expert tensors, by name, from each expert's tensors under our module's parameter
+    names (`Experts.expert_tensors`), in their order."""
+    def stack(tensor) -> torch.Tensor:
+        return torch.stack([tensor(t) for t in experts])
+
     if model_type == "gpt_oss":
-        return {"gate_up_proj": torch.stack([_interleaved(e.gate_proj.weight.t(), e.up_proj.weight.t())
-                                             for e in experts]),
-                "gate_up_proj_bias": torch.stack([_interleaved(e.gate_proj.bias, e.up_proj.bias) for e in experts]),
-                "down_proj": torch.stack([e.down_proj.weight.t() for e in experts]),
-                "down_proj_bias": torch.stack([e.down_proj.bias for e in experts])}
-    return {"gate_up_proj": torch.stack([torch.cat([e.gate_proj.weight, e.up_proj.weight]) for e in experts]),
-            "down_proj": torch.stack([e.down_proj.weight for e in experts])}
+        return {"gate_up_proj": stack(lambda t: _interleaved(t["gate_proj.weight"].t(), t["up_proj.weight"].t())),
+                "gate_up_proj_bias": stack(lambda t: _interleaved(t["gate_proj.bias"], t["up_proj.bias"])),
+                "down_proj": stack(lambda t: t["down_proj.weight"].t()),
+                "down_proj_bias": stack(lambda t: t["down_proj.bias"])}
+    return {"gate_up_proj": stack(lambda t: torch.cat([t["gate_proj.weight"], t["up_proj.weight"]])),
+            "down_proj": stack(lambda t: t["down_proj.weight"])}
 
 
 def _build(block: nn.Module, model_type: str, config, ep_size: int, expert_layout: str,
@@ -196,7 +184,7 @@ def _build(block: nn.Module, model_type: str, config, ep_size: int, expert_layou
         raise ValueError(f"{type(block).__name__} holds its experts as modules (transformers < 5); convert reads the "
                          f"stacked gate_up_proj and down_proj of transformers >= 5")
     router = _router(block)
-    expert, num_experts = _expert(block.experts, model_type)
+    expert, num_experts = _expert(block.experts, model_type, config)
     hidden = expert.down_proj.out_features
     shared = getattr(block, "shared_expert", None) or getattr(block, "shared_experts", None)
     options = {**_routing_options(block, model_type, config, bias_update_speed), **kwargs}
@@ -214,8 +202,11 @@ def _build(block: nn.Module, model_type: str, config, ep_size: int, expert_layou
         if gate.wg.bias is not None:
             gate.wg.bias.copy_(router.bias)
         first = moe.ep_rank * moe.num_local_experts
-        for local, expert in enumerate(moe.deepspeed_moe.experts.deepspeed_experts):
-            _load_expert(expert, block.experts, first + local, model_type)
+        experts = moe.deepspeed_moe.experts
+        for local in range(moe.num_local_experts):  # into module copies, or views of the stacked weights
+            mine = experts.expert_tensors(local)
+            for name, tensor in _block_expert(block.experts, first + local, model_type).items():
+                mine[name].copy_(tensor)
         if moe.shared_expert_gate is not None:
             moe.shared_expert_gate.to(device=device, dtype=dtype)
             moe.shared_expert_gate.weight.copy_(block.shared_expert_gate.weight)
@@ -292,12 +283,13 @@ def _original(adapter: HFMoEBlock) -> nn.Module:
     """A block of the original class carrying the adapter's weights (every expert's, gathered over the
     expert-parallel group when the layer has ep_size > 1)."""
     moe = adapter.moe
-    experts = moe.deepspeed_moe.experts.deepspeed_experts
-    reference = experts[0].down_proj.weight
+    experts = moe.deepspeed_moe.experts
+    tensors = [experts.expert_tensors(local) for local in range(moe.num_local_experts)]
+    reference = tensors[0]["down_proj.weight"]
     block = adapter.block_class(adapter.config).to(device=reference.device, dtype=reference.dtype)
     router, gate = _router(block), moe.deepspeed_moe.gate
     with torch.no_grad():
-        for name, local in _stacked(experts, adapter.model_type).items():
+        for name, local in _stacked(tensors, adapter.model_type).items():
             getattr(block.experts, name).copy_(_gathered(local, moe))
         router.weight.copy_(gate.wg.weight)
         if gate.wg.bias is not None:

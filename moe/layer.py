@@ -110,8 +110,9 @@ class MOELayer(nn.Module):
             return "grouped"
         dtype = autocast_dtype(device) or dtype
         # fp32 and fp16 keep the padded layout until a GPU run times them
-        if (dtype == torch.bfloat16 and self.ep_size == 1 and self.experts.stacked
-                and torch_backend_runs(device, dtype, (*self.experts.weight1.shape[1:], self.experts.weight2.shape[1]))):
+        experts = self.experts
+        if (dtype == torch.bfloat16 and self.ep_size == 1 and experts.stacked
+                and torch_backend_runs(device, dtype, (*experts.weight1.shape[1:], *experts.weight2.shape[1:]))):
             return "grouped"
         return "padded"
 
@@ -158,7 +159,8 @@ class MoE(nn.Module):
     Args:
         hidden_size: M, the token width.
         expert: the expert module (tokens [n, M] -> [n, M]); deep-copied per local expert. A plain
-            nn.Sequential(Linear, ReLU/GELU/SiLU/Tanh/Sigmoid, Linear) runs as stacked weights.
+            nn.Sequential(Linear, ReLU/GELU/SiLU/Tanh/Sigmoid, Linear) and a gated `moe.SwiGLU` (no
+            biases, one of those activations) run as stacked weights.
         num_experts: E, experts in the layer (over all expert-parallel ranks).
         ep_size: expert-parallel size; E must be divisible by it.
         k: choices per token (1: top-1, 2: top-2, more: top-k).

@@ -9,7 +9,9 @@ computes the dense model's function, up to the rounding of that weighted sum.
 The MLPs are found by name and shape, never by class, so this module needs no model library: any
 nn.Sequential(Linear, activation, Linear) and any module with gate_proj, up_proj and down_proj (the
 SwiGLU MLP of Llama, Qwen2, Mistral in `transformers`) qualifies. It must not import `transformers` or
-`recipes`: the copies are made by `moe.Experts`, which deep-copies any module.
+`recipes`: the copies are made by `moe.Experts`, which deep-copies any module and holds the forms it
+knows as stacked weights: the plain MLP, and the gated `moe.SwiGLU`; a library's own gated MLP class,
+whose forward `moe.Experts` cannot vouch for, stays module copies.
 """
 
 from collections.abc import Callable

@@ -3,8 +3,9 @@
 Shape legend: S tokens, M model dim, H expert hidden dim, E experts, K choices per token.
 
 The experts are SwiGLU MLPs, down(silu(x W_gate) * (x W_up)), the only experts torchtitan's MoE has
-(`GroupedExperts`: stacked w1, w3 [E, H, M] and w2 [E, M, H], one grouped GEMM per product). Our
-layer and DeepSpeed's take them as a module per expert (`moe.hf.SwiGLU`). Every layer routes by
+(`GroupedExperts`: stacked w1, w3 [E, H, M] and w2 [E, M, H], one grouped GEMM per product). Both
+layers take a `moe.SwiGLU` module: ours holds its copies as stacked gated weights (gate and up in one
+weight1 [E, 2H, M]), DeepSpeed's as a module per expert. Every layer routes by
 softmax top-K with the kept weights renormalised, from the same fp32 router weight:
 
 - ours (dropless) and torchtitan's route every choice;
@@ -26,8 +27,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from moe import MoE
-from moe.hf import SwiGLU
+from moe import MoE, SwiGLU
 from recipes.bench.moe import peak_memory, time_interleaved
 
 # an output agrees with ours when the norm of the difference is within this share of our output's norm:
@@ -106,13 +106,13 @@ def torchtitan_layer(mine: MoE, size: LayerSize) -> nn.Module:
         layer = config.build()
         if weight.device.type != "cuda":
             layer.router.gate = _Fp32Gate(M, E, bias=False)
-    experts = mine.deepspeed_moe.experts.deepspeed_experts
+    experts = _expert_tensors(mine)
     inner = layer.routed_experts.inner_experts
     with torch.no_grad():
-        layer.to(experts[0].down_proj.weight.dtype)
+        layer.to(experts[0]["down_proj.weight"].dtype)
         layer.router.gate.float().weight.copy_(weight)
         for stacked, name in ((inner.w1_EFD, "gate_proj"), (inner.w3_EFD, "up_proj"), (inner.w2_EDF, "down_proj")):
-            stacked.copy_(torch.stack([getattr(expert, name).weight for expert in experts]))
+            stacked.copy_(torch.stack([expert[f"{name}.weight"] for expert in experts]))
     return _Tokens(layer)
 
 
@@ -156,18 +156,26 @@ def deepspeed_layer(mine: MoE, size: LayerSize) -> nn.Module:
     """
     from deepspeed.moe.layer import MoE as DeepSpeedMoE  # optional: only for side-by-side figures
 
-    experts = mine.deepspeed_moe.experts.deepspeed_experts
-    with experts[0].down_proj.weight.device:
+    reference = _expert_tensors(mine)[0]["down_proj.weight"]
+    with reference.device:
         layer = DeepSpeedMoE(size.hidden, SwiGLU(size.hidden, size.ffn, nn.SiLU()), num_experts=size.experts, k=size.k,
                              capacity_factor=size.capacity_factor, min_capacity=4, top2_2nd_expert_sampling=False)
     layer.set_deepspeed_parallelism()
-    layer.to(experts[0].down_proj.weight.dtype)
+    layer.to(reference.dtype)
     layer.deepspeed_moe.gate.float()
     theirs = dict(layer.named_parameters())
     with torch.no_grad():
-        for name, param in mine.named_parameters():
-            theirs[name].copy_(param)  # both name them deepspeed_moe.gate.wg... and deepspeed_moe.experts...
+        theirs["deepspeed_moe.gate.wg.weight"].copy_(mine.deepspeed_moe.gate.wg.weight)
+        for e, tensors in enumerate(_expert_tensors(mine)):  # DeepSpeed's experts: a module each
+            for name, tensor in tensors.items():
+                theirs[f"deepspeed_moe.experts.deepspeed_experts.{e}.{name}"].copy_(tensor)
     return layer
+
+
+def _expert_tensors(layer: MoE) -> list[dict[str, torch.Tensor]]:
+    """Each expert's tensors of our layer under its SwiGLU module's names (views of the stacked weights)."""
+    experts = layer.deepspeed_moe.experts
+    return [experts.expert_tensors(e) for e in range(experts.num_local_experts)]
 
 
 def _step(layer: nn.Module, x: torch.Tensor, grad: torch.Tensor):

@@ -20,15 +20,16 @@ import torch._dynamo
 import torch._inductor.config
 from torch import nn
 
-from moe import MoE
+from moe import MoE, SwiGLU
 
 FP32 = {"rtol": 1e-5, "atol": 1e-5}
 
 
-def _stack(expert_layout: str) -> nn.ModuleList:
-    """A top-1 and a top-2 layer, both dropping (capacity factor 0.75): two MoE layers per compiled call."""
+def _stack(expert_layout: str, gated: bool = False) -> nn.ModuleList:
+    """A top-1 and a top-2 layer, both dropping (capacity factor 0.75): two MoE layers per compiled call;
+    plain MLP experts, or stacked gated ones (SwiGLU)."""
     torch.manual_seed(0)
-    expert = nn.Sequential(nn.Linear(8, 12), nn.GELU(), nn.Linear(12, 8))
+    expert = SwiGLU(8, 12) if gated else nn.Sequential(nn.Linear(8, 12), nn.GELU(), nn.Linear(12, 8))
     return nn.ModuleList([MoE(8, expert, num_experts=4, k=k, capacity_factor=0.75, min_capacity=0,
                               expert_layout=expert_layout) for k in (1, 2)])
 
@@ -64,10 +65,10 @@ def _assert_same(compiled, eager) -> None:
         assert torch.equal(got, want)
 
 
-def _compare(expert_layout: str, backend, fullgraph: bool | None = None):
+def _compare(expert_layout: str, backend, fullgraph: bool | None = None, gated: bool = False):
     x_SM = torch.randn(24, 8, generator=torch.Generator().manual_seed(2))
-    eager = _run(_stack(expert_layout), _step, x_SM)
-    layers = _stack(expert_layout)
+    eager = _run(_stack(expert_layout, gated), _step, x_SM)
+    layers = _stack(expert_layout, gated)
     assert bool((layers[0].deepspeed_moe.gate(x_SM).expert_idx_SK < 0).any()), "the test should drop choices"
     torch._dynamo.reset()
     fullgraph = expert_layout == "padded" if fullgraph is None else fullgraph
@@ -108,4 +109,13 @@ def test_packed_and_grouped_break_once_per_layer(expert_layout):
 def test_packed_and_grouped_compile_whole_with_symbolic_counts(expert_layout):
     """With capture_scalar_outputs the host read becomes symbolic sizes: no break at all (fullgraph)."""
     compiled, eager = _compare(expert_layout, "aot_eager", fullgraph=True)
+    _assert_same(compiled, eager)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("expert_layout", ["packed", "grouped", "padded"])
+@mock.patch.object(torch._dynamo.config, "capture_scalar_outputs", True)
+def test_stacked_gated_experts_compile_whole(expert_layout):
+    compiled, eager = _compare(expert_layout, "aot_eager", fullgraph=True, gated=True)
+    assert "deepspeed_moe.experts.weight1" in dict(_stack(expert_layout, gated=True)[0].named_parameters())
     _assert_same(compiled, eager)

@@ -89,9 +89,16 @@ def _expected_grads(reference, converted) -> dict[str, torch.Tensor]:
         if block.model_type == "gpt_oss":
             want[f"{prefix}deepspeed_moe.gate.wg.bias"] = router.bias.grad
         first = moe.ep_rank * moe.num_local_experts
-        for local in range(moe.num_local_experts):
-            for key, grad in _expert_tensors(original.experts, first + local, block.model_type, grad=True).items():
-                want[f"{prefix}deepspeed_moe.experts.deepspeed_experts.{local}.{key}"] = grad
+        grads = [_expert_tensors(original.experts, first + local, block.model_type, grad=True)
+                 for local in range(moe.num_local_experts)]
+        if moe.deepspeed_moe.experts.stacked:  # weight1: each expert's gate rows, then its up rows
+            want[f"{prefix}deepspeed_moe.experts.weight1"] = torch.stack(
+                [torch.cat([g["gate_proj.weight"], g["up_proj.weight"]]) for g in grads])
+            want[f"{prefix}deepspeed_moe.experts.weight2"] = torch.stack([g["down_proj.weight"] for g in grads])
+        else:
+            for local, expert_grads in enumerate(grads):
+                for key, grad in expert_grads.items():
+                    want[f"{prefix}deepspeed_moe.experts.deepspeed_experts.{local}.{key}"] = grad
         shared = getattr(original, "shared_expert", None) or getattr(original, "shared_experts", None)
         for key, p in (shared.named_parameters() if shared is not None else ()):
             want[f"{prefix}shared_expert.{key}"] = p.grad
@@ -105,7 +112,8 @@ def _expected_grads(reference, converted) -> dict[str, torch.Tensor]:
 def test_converted_model_gives_the_same_logits_and_gradients(name):
     model = _model(name)
     converted = convert(copy.deepcopy(model))
-    assert any(isinstance(m, HFMoEBlock) for m in converted.modules())
+    blocks = [m for m in converted.modules() if isinstance(m, HFMoEBlock)]
+    assert blocks and all(b.moe.deepspeed_moe.experts.stacked == (name != "gpt_oss") for b in blocks)  # SwiGLU: stacked
     ids, weight = _ids(), torch.randn(2, 7, VOCAB, generator=torch.Generator().manual_seed(2))
     expected, got = model(ids).logits, converted(ids).logits
     torch.testing.assert_close(got, expected, **FP32)
@@ -185,7 +193,7 @@ def _expert_parallel_one(rank, world, name):
     torch.testing.assert_close(got, expected.chunk(world)[rank], **FP32)
     got.sum().backward()
     expected.sum().backward()  # our expert gradients sum over every rank's tokens, as the reference's
-    have = {key: p.grad for key, p in converted.named_parameters() if ".deepspeed_experts." in key}
+    have = {key: p.grad for key, p in converted.named_parameters() if ".deepspeed_moe.experts." in key}
     want = {key: grad for key, grad in _expected_grads(reference, converted).items() if key in have}
     assert len(want) == len(have) > 0
     for key, grad in want.items():

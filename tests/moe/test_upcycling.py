@@ -1,7 +1,8 @@
 """Sparse upcycling: an upcycled model computes its dense model's function before training, then trains.
 
 Models: recipes.gpt_model's GPT with no MoE blocks (Linear-GELU-Linear feed-forward, held as stacked
-experts) and a tiny random `transformers` Llama and Qwen2 (SwiGLU MLPs, held as module copies). Exact
+experts), a small net with a `moe.SwiGLU` MLP (held as stacked gated experts) and a tiny random
+`transformers` Llama and Qwen2 (their own SwiGLU MLP classes, held as module copies). Exact
 means the same logits to EXACT (max absolute difference): the combine weights sum to one, so only the
 rounding of the weighted sum of identical expert outputs separates the two.
 """
@@ -15,7 +16,7 @@ import torch
 from torch import nn
 
 import moe
-from moe import MoE, upcycle
+from moe import MoE, SwiGLU, upcycle
 from moe.upcycling import UpcycledMLP
 from recipes.gpt_model import GPT, GPTConfig
 
@@ -90,6 +91,27 @@ def test_router_initialisation():
     model = upcycle(_gpt(), num_experts=4, k=2, router_std=0.02, return_tuple=True)
     weight = model.blocks[0].ffn.deepspeed_moe.gate.wg.weight
     assert weight.dtype == torch.float32 and 0.005 < weight.std().item() < 0.05
+
+
+class _GatedNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = nn.Linear(8, 8)
+        self.mlp = SwiGLU(8, 12)
+
+    def forward(self, x):
+        return self.mlp(self.inp(x))
+
+
+def test_a_swiglu_mlp_upcycles_into_stacked_gated_experts_with_the_dense_outputs():
+    dense = _GatedNet().eval()
+    model = upcycle(copy.deepcopy(dense), num_experts=4, k=2).eval()
+    experts = model.mlp.moe.deepspeed_moe.experts
+    assert experts.stacked and experts.gated and experts.weight1.shape == (4, 24, 8)
+    x = torch.randn(10, 8, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert _max_diff(model(x), dense(x)) <= EXACT
 
 
 def _expert_grads_gpt(model) -> list[torch.Tensor]:

@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from moe import MoE
+from moe import MoE, SwiGLU
 from optim import initialize
 from optim.zero import shard_placement
 from parallel import expert_groups, groups_for_name, local_device, reset_groups
@@ -165,6 +165,8 @@ def test_auto_layout_on_a_gpu_is_grouped_where_torch_grouped_gemm_runs_in_bf16(m
     assert layer(hidden=12)._layout(cuda, torch.bfloat16) == "padded"  # 24-byte rows: torch's GEMM refuses them
     odd_ffn = nn.Sequential(nn.Linear(16, 36), nn.GELU(), nn.Linear(36, 16))
     assert layer(expert=odd_ffn)._layout(cuda, torch.bfloat16) == "padded"  # 72-byte hidden rows
+    assert layer(expert=SwiGLU(16, 32))._layout(cuda, torch.bfloat16) == "grouped"  # stacked gated experts
+    assert layer(expert=SwiGLU(16, 36))._layout(cuda, torch.bfloat16) == "padded"  # 144-byte gate | up rows, 72-byte a
     wider_out = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 12))
     with pytest.raises(ValueError, match=r"the expert's last Linear gives 12 features"):
         layer(expert=wider_out)  # its rows could not stand in the tokens' place: refused before any layout

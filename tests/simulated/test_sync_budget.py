@@ -3,7 +3,7 @@
 Counted with the Triton kernels forced (MOE_KERNELS=triton, the branches a GPU takes): on a GPU on
 CUDA tensors, on a CPU-only machine on CPU tensors with Triton interpreted (the expert-parallel
 counts on gloo ranks on the CPU, interpreted, on any machine). The gate and the padded layout make
-no host sync; grouped stacked experts in one process make none (device offsets); packed in one
+no host sync; grouped stacked experts (plain or gated) in one process make none (device offsets); packed in one
 process, and packed or grouped under expert parallelism, make exactly one per layer (the row
 counts), with either exchange. The input checks that would sync are opt-in (MOE_SYNC_CHECKS=1) and
 are counted too. The same layer also runs on the meta device, where any host read would raise.
@@ -13,16 +13,16 @@ import pytest
 import torch
 from torch import nn
 
-from moe import MoE
+from moe import MoE, SwiGLU
 from parallel import reset_groups
 from tests.devices import DEVICE
 from tests.distributed import run_distributed
 from tests.simulated.sync_counter import count_syncs
 
 
-def _layer(compute, ep_size=1, **kwargs):
+def _layer(compute, ep_size=1, gated=False, **kwargs):
     torch.manual_seed(0)
-    expert = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16))
+    expert = SwiGLU(16, 32) if gated else nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16))
     return MoE(16, expert, num_experts=4, ep_size=ep_size, k=2, expert_layout=compute, min_capacity=0, **kwargs)
 
 
@@ -60,6 +60,8 @@ def test_grouped_without_expert_parallelism_makes_no_sync(cuda_branches):
     # a first layer: the backward skips the input gradient and still reads nothing on the host
     assert _count(_layer("grouped"), input_grad=False) == []
     assert _count(_layer("grouped", dropless=True), input_grad=False) == []
+    assert _count(_layer("grouped", gated=True)) == []  # stacked gated experts (SwiGLU) as well
+    assert _count(_layer("grouped", gated=True, dropless=True)) == []
 
 
 def test_packed_and_dropless_padded_make_one_sync_per_layer(cuda_branches):

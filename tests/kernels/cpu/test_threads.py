@@ -186,7 +186,7 @@ def test_the_concurrent_plan_runs_under_inference_mode(two_threads):
     counts = [5, 0, 9]
     operands = [t.detach() if t is not None else None for t in _operands(torch.float32, True, counts)]
     with torch.inference_mode():
-        got = _ConcurrentMLP.apply(*operands, counts, ("gelu", "none"))
+        got = _ConcurrentMLP.apply(*operands, counts, ("gelu", "none", False))
     torch.testing.assert_close(got, _reference(*operands, counts, "gelu"), **TOLERANCES[torch.float32])
 
 
@@ -247,7 +247,7 @@ def test_the_concurrent_plan_matches_autograd(two_threads, workers_of, dtype, ac
     monkeypatch.setattr(cpu, "empty_like", lambda t: torch.full_like(t, float("nan")))
     counts = [9, 0, 17, 3, 0, 11]  # uneven, with experts that got no rows
     operands = _operands(dtype, bias, counts)
-    got = _forward_backward(lambda *a: _ConcurrentMLP.apply(*a[:6], (a[6], "none")), operands, counts, activation)
+    got = _forward_backward(lambda *a: _ConcurrentMLP.apply(*a[:6], (a[6], "none", False)), operands, counts, activation)
     want = _forward_backward(_reference, operands, counts, activation)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, **TOLERANCES[dtype])
@@ -262,7 +262,7 @@ def test_the_concurrent_plan_is_bitwise_repeatable(two_threads, workers_of):
     operands = _operands(torch.float32, True, counts, M=64, H=96)
 
     def run():
-        return _forward_backward(lambda *a: _ConcurrentMLP.apply(*a[:6], (a[6], "none")), operands, counts, "gelu")
+        return _forward_backward(lambda *a: _ConcurrentMLP.apply(*a[:6], (a[6], "none", False)), operands, counts, "gelu")
 
     first = run()
     for _ in range(3):
@@ -300,7 +300,7 @@ def test_the_concurrent_backward_runs_two_items_per_expert(two_threads, workers_
                          ([0, 12, 0], [(1, ("h", "w2"))])):
         seen.clear()
         operands = _operands(torch.float32, True, counts)
-        got = _forward_backward(lambda *a: _ConcurrentMLP.apply(*a[:6], (a[6], "none")), operands, counts, "gelu")
+        got = _forward_backward(lambda *a: _ConcurrentMLP.apply(*a[:6], (a[6], "none", False)), operands, counts, "gelu")
         assert seen[-1] == want
         for a, b in zip(got, _forward_backward(_reference, operands, counts, "gelu")):
             torch.testing.assert_close(a, b, **TOLERANCES[torch.float32])
@@ -341,7 +341,7 @@ def test_the_concurrent_plan_measures_its_products_on_the_workers(two_threads, m
         monkeypatch.setattr(cpu.backend, "_measure", lambda runs: measured_on.add(_single_threaded()) or backend)
 
         def run():
-            return _forward_backward(lambda *a: _ConcurrentMLP.apply(*a[:6], (a[6], "none")), operands, counts, "gelu")
+            return _forward_backward(lambda *a: _ConcurrentMLP.apply(*a[:6], (a[6], "none", False)), operands, counts, "gelu")
 
         got = run()
         kinds = {key.split("|")[0] for key in gemm.choices()}
@@ -361,7 +361,7 @@ def test_a_lone_expert_runs_in_the_caller_with_its_threads_and_classes(two_threa
     monkeypatch.setattr(cpu.backend, "_measure", lambda runs: measured_on.add(torch.get_num_threads()) or "onednn")
     counts = [0, 50, 0]
     operands = _operands(torch.float32, True, counts, M=40, H=72)
-    got = _forward_backward(lambda *a: _ConcurrentMLP.apply(*a[:6], (a[6], "none")), operands, counts, "relu")
+    got = _forward_backward(lambda *a: _ConcurrentMLP.apply(*a[:6], (a[6], "none", False)), operands, counts, "relu")
     assert {key.split("|")[0] for key in gemm.choices()} == {"linear", "linear_tn"} and measured_on == {2}
     for a, b in zip(got, _forward_backward(_reference, operands, counts, "relu")):
         torch.testing.assert_close(a, b, **TOLERANCES[torch.float32])
@@ -377,7 +377,7 @@ def test_workers_keep_their_choices_under_the_callers_entry_of_the_cache_file(tw
     monkeypatch.setenv("MOE_CPU_GEMM_CACHE", str(path))
     counts = [40, 30, 20]
     operands = _operands(torch.float32, True, counts, M=40, H=72)
-    _forward_backward(lambda *a: _ConcurrentMLP.apply(*a[:6], (a[6], "none")), operands, counts, "gelu")
+    _forward_backward(lambda *a: _ConcurrentMLP.apply(*a[:6], (a[6], "none", False)), operands, counts, "gelu")
     stored = json.loads(path.read_text())
     assert list(stored) == [choices.machine()] and choices.machine().endswith("threads 2")
     assert set(stored[choices.machine()]) == set(gemm.choices()) and any("@worker" in key for key in gemm.choices())
@@ -386,7 +386,7 @@ def test_workers_keep_their_choices_under_the_callers_entry_of_the_cache_file(tw
 def test_the_concurrent_plan_with_no_rows_at_all(two_threads):
     counts = [0, 0, 0]
     operands = _operands(torch.float32, True, counts)
-    y = _ConcurrentMLP.apply(*operands, counts, ("gelu", "none"))
+    y = _ConcurrentMLP.apply(*operands, counts, ("gelu", "none", False))
     assert y.shape == (0, 12)
     y.sum().backward()
     assert not operands[1].grad.any()

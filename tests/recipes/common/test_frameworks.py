@@ -51,9 +51,10 @@ def test_our_two_layers_hold_the_same_seeded_experts_and_an_fp32_gate():
     dropless = frameworks.ours(SIZE, CPU, torch.bfloat16, dropless=True)
     capacity = frameworks.ours(SIZE, CPU, torch.bfloat16, dropless=False)
     assert dropless.deepspeed_moe.gate.wg.weight.dtype == torch.float32
-    experts = dropless.deepspeed_moe.experts.deepspeed_experts
-    assert experts[0].up_proj.weight.dtype == torch.bfloat16
-    assert not torch.equal(experts[0].up_proj.weight, experts[1].up_proj.weight)  # seeded apart, not copies
+    experts = frameworks._expert_tensors(dropless)
+    assert dropless.deepspeed_moe.experts.gated  # SwiGLU experts held stacked
+    assert experts[0]["up_proj.weight"].dtype == torch.bfloat16 and experts[0]["up_proj.weight"].shape == (24, 16)
+    assert not torch.equal(experts[0]["up_proj.weight"], experts[1]["up_proj.weight"])  # seeded apart, not copies
     for (name, mine), theirs in zip(dropless.named_parameters(), capacity.parameters()):
         assert torch.equal(mine, theirs), name
 
