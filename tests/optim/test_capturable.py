@@ -64,14 +64,14 @@ def _pair(dtype, layout, config=None, schedule=True, report_every=5, steps=20):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16"])
-@pytest.mark.parametrize("layout", ["padded", "grouped"])
+@pytest.mark.parametrize("dtype, layout", [("fp32", "padded"), ("fp32", "grouped"), ("bf16", "padded"),
+                                           ("fp16", "grouped")])
 def test_the_capturable_step_equals_the_usual_step(dtype, layout):
-    (usual, usual_losses), (capturable, losses) = _pair(dtype, layout)
+    (usual, usual_losses), (capturable, losses) = _pair(dtype, layout, steps=12)
     assert torch.equal(usual_losses, losses)
     for (name, a), b in zip(usual.module.named_parameters(), capturable.module.parameters()):
         assert torch.equal(a, b), name
-    assert capturable.loss_scale == usual.loss_scale and capturable.global_steps == usual.global_steps == 20
+    assert capturable.loss_scale == usual.loss_scale and capturable.global_steps == usual.global_steps == 12
     assert capturable.get_lr() == usual.get_lr()
 
 

@@ -169,7 +169,7 @@ def _two_steps(monkeypatch, layout, dtype):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout, dtype", [("padded", "fp16"), ("grouped", "bf16"), ("grouped", "fp32")])
+@pytest.mark.parametrize("layout, dtype", [("padded", "fp16"), ("grouped", "bf16")])
 def test_two_steps_with_different_routings_allocate_the_same_tensors(monkeypatch, layout, dtype):
     steps, counts, syncs = _two_steps(monkeypatch, layout, dtype)
     assert counts[0] != counts[1]  # the routing differs
