@@ -11,10 +11,11 @@ all_gather copies it) instead of raising. The collectives take DeepSpeed's profi
 `broadcast_object_list`, `gather`, `scatter`, `isend`, ...) is torch's own, reached through this module.
 
 The all-gather into one tensor and the reduce-scatter from one tensor have two names in torch:
-`all_gather_into_tensor` / `reduce_scatter_tensor` up to torch 2.12, `all_gather_single` /
-`reduce_scatter_single` from 2.13 on (where the old names warn and forward). `ALL_GATHER_NAME` and
-`REDUCE_SCATTER_NAME` pick the one the running torch has, here and nowhere else; this module answers
-to both spellings on every torch, and `optim` calls them through it.
+`all_gather_into_tensor` / `reduce_scatter_tensor` (torch 2.11) and `all_gather_single` /
+`reduce_scatter_single` (torch 2.13, where the older names warn and forward to these).
+`ALL_GATHER_NAME` and `REDUCE_SCATTER_NAME` pick the one the running torch has, by feature detection,
+here and nowhere else; this module answers to both spellings on every torch, and `optim` calls them
+through it.
 """
 
 import os
