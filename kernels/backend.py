@@ -16,6 +16,8 @@ import os
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
+from kernels.interpreter import fit_interpreter
+
 __all__ = ["block_size", "cpu_eager", "launcher", "sync_checks", "use_triton"]
 
 CHOICES = ("auto", "triton", "torch")
@@ -101,13 +103,20 @@ def launcher(name: str, launch, fake):
     The op is what torch.compile, torch.jit.trace, fake tensors, the meta device and dispatch modes
     see. Other eager calls on real tensors skip it: its dispatch costs several times a direct call's
     host time, and a small model on a GPU is bound by host time. The first tensor argument decides.
+    On CPU tensors the kernel runs in Triton's interpreter, fitted first (`kernels.interpreter`).
     """
-    op = torch.library.custom_op(name, launch, mutates_args=())
+    @functools.wraps(launch)  # the op's schema is read from launch's signature
+    def launch_here(t, *args):
+        if not t.is_cuda:
+            fit_interpreter()
+        return launch(t, *args)
+
+    op = torch.library.custom_op(name, launch_here, mutates_args=())
     op.register_fake(fake)
 
     def run(t, *args):
         return run.op(t, *args) if _traced(t) else run.launch(t, *args)
 
-    run.op, run.launch = op, launch
+    run.op, run.launch = op, launch_here
     run.__doc__, run.__name__ = launch.__doc__, launch.__name__
     return run

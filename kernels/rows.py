@@ -174,6 +174,13 @@ def gather_rows(x_SM: torch.Tensor, token_N: torch.Tensor, scale_N: torch.Tensor
         return gather_rows_triton(x_SM, token_N, scale_N)
     if x_SM.shape[0] == 0:
         return cpu.empty((token_N.shape[0], x_SM.shape[1]), x_SM.dtype, x_SM.device).zero_()
+    if torch.compiler.is_compiling():
+        # out of place, rows no choice points at masked to zero (no host sync): torch 2.11's dynamo loses
+        # the gradient of an autograd.Function's output that was written in place (out=, masked_fill_)
+        buffer_NM = x_SM.index_select(0, token_N.clamp(min=0))
+        if scale_N is not None:
+            buffer_NM = buffer_NM * scale_N.to(buffer_NM.dtype).unsqueeze(1)
+        return buffer_NM.masked_fill((token_N < 0).unsqueeze(1), 0)
     # eager on the CPU a host read costs nothing: when every row has a token (the packed layout's rows
     # always do), the gather needs no clamped index and leaves no empty rows to zero
     full = cpu_eager(token_N) and (token_N.numel() == 0 or int(token_N.min()) >= 0)
@@ -190,8 +197,7 @@ def gather_rows(x_SM: torch.Tensor, token_N: torch.Tensor, scale_N: torch.Tensor
         buffer_NM.mul_(scale_N.to(buffer_NM.dtype).unsqueeze(1))
     if full:
         return buffer_NM
-    if buffer_NM.device.type != "cpu" or torch.compiler.is_compiling():
-        # rows no choice points at are zero: a mask, no host sync (a compiled graph cannot read one)
+    if buffer_NM.device.type != "cpu":  # rows no choice points at are zero: a mask, no host sync
         return buffer_NM.masked_fill_((token_N < 0).unsqueeze(1), 0)
     empty_N = (token_N < 0).nonzero().squeeze(1)  # eager on the CPU a host read costs nothing and skips a pass
     if empty_N.numel():

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from optim.buckets import FlatShard
-from parallel import data_before_expert, expert_ids, is_moe_param
+from parallel import comm, data_before_expert, expert_ids, is_moe_param
 
 __all__ = ["FlatGroup", "ParamInfo", "ShardedParam", "Unit", "describe_parameters", "row_major_boxes", "shard_placement"]
 
@@ -279,7 +279,7 @@ class FlatGroup:
         if self.separate:
             own.copy_(self.weights)
         if self.stage >= 1 and self.group is not None:  # in place: this rank's slice is its own input (NCCL and gloo)
-            dist.all_gather_single(self.flat, own, group=self.group)
+            comm.all_gather_single(self.flat, own, group=self.group)
 
     def zero_grad(self) -> None:
         if self.flat_grad is not None:
@@ -299,7 +299,7 @@ class FlatGroup:
         """Full per-parameter tensors from this rank's slice of a flat tensor (collective in stages 1-2)."""
         if self.stage >= 1 and self.group is not None:
             full = torch.empty(self.shard * self.group_size, dtype=piece.dtype, device=piece.device)
-            dist.all_gather_single(full, piece.contiguous(), group=self.group)
+            comm.all_gather_single(full, piece.contiguous(), group=self.group)
         else:
             full = piece
         return [full[o : o + n].view_as(i.param) for i, o, n in zip(self.infos, self.offsets, self.numels)]
@@ -426,7 +426,7 @@ class ShardedParam:
         padded = torch.zeros((self.chunk,) + tuple(front.shape[1:]), dtype=piece.dtype, device=piece.device)
         padded[: front.shape[0]].copy_(front)
         full = torch.empty((self.chunk * self.group_size,) + tuple(front.shape[1:]), dtype=piece.dtype, device=piece.device)
-        dist.all_gather_single(full, padded, group=self.group)
+        comm.all_gather_single(full, padded, group=self.group)
         return [full[: self.rows].movedim(0, self.dim).contiguous()]
 
     def boxes(self, local: torch.Tensor) -> list[tuple[ParamInfo, tuple[int, ...], torch.Tensor]]:

@@ -9,6 +9,13 @@ act as they would on a group of one (all_reduce, broadcast and barrier leave the
 all_gather copies it) instead of raising. The collectives take DeepSpeed's profiling keywords
 (`prof`, `log_name`, `debug`) without effect; any other name of torch.distributed (`all_gather_object`,
 `broadcast_object_list`, `gather`, `scatter`, `isend`, ...) is torch's own, reached through this module.
+
+The all-gather into one tensor and the reduce-scatter from one tensor have two names in torch:
+`all_gather_into_tensor` / `reduce_scatter_tensor` (torch 2.11) and `all_gather_single` /
+`reduce_scatter_single` (torch 2.13, where the older names warn and forward to these).
+`ALL_GATHER_NAME` and `REDUCE_SCATTER_NAME` pick the one the running torch has, by feature detection,
+here and nowhere else; this module answers to both spellings on every torch, and `optim` calls them
+through it.
 """
 
 import os
@@ -19,13 +26,17 @@ import torch.distributed as _dist
 from parallel.distributed import init_distributed
 
 __all__ = [
-    "ReduceOp", "all_gather", "all_gather_into_tensor", "all_reduce", "all_to_all_single", "barrier", "broadcast",
-    "destroy_process_group", "get_global_rank", "get_local_rank", "get_rank", "get_world_group", "get_world_size",
-    "init_distributed", "is_available", "is_initialized", "new_group", "recv", "reduce", "reduce_scatter_tensor",
-    "send",
+    "ALL_GATHER_NAME", "REDUCE_SCATTER_NAME", "ReduceOp", "all_gather", "all_gather_into_tensor", "all_gather_single",
+    "all_reduce", "all_to_all_single", "barrier", "broadcast", "destroy_process_group", "get_global_rank",
+    "get_local_rank", "get_rank", "get_world_group", "get_world_size", "init_distributed", "is_available",
+    "is_initialized", "new_group", "recv", "reduce", "reduce_scatter_single", "reduce_scatter_tensor", "send",
 ]
 
 ReduceOp = _dist.ReduceOp
+
+# torch.distributed's names for the two single-tensor collectives on the running torch (see the module docstring).
+ALL_GATHER_NAME = "all_gather_single" if hasattr(_dist, "all_gather_single") else "all_gather_into_tensor"
+REDUCE_SCATTER_NAME = "reduce_scatter_single" if hasattr(_dist, "reduce_scatter_single") else "reduce_scatter_tensor"
 
 
 def is_available() -> bool:
@@ -104,19 +115,31 @@ def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor, group=None
     return None
 
 
-def all_gather_into_tensor(output: torch.Tensor, tensor: torch.Tensor, group=None, async_op: bool = False, **_profiling):
+def all_gather_single(output: torch.Tensor, tensor: torch.Tensor, group=None, async_op: bool = False, **_profiling):
+    """Gather the equal-sized `tensor` of every rank of `group` into `output`, in rank order.
+
+    Calls torch.distributed's ALL_GATHER_NAME, looked up at each call; alone, `output` is a copy of `tensor`.
+    """
     if is_initialized():
-        return _dist.all_gather_into_tensor(output, tensor, group, async_op)
+        return getattr(_dist, ALL_GATHER_NAME)(output, tensor, group, async_op)
     output.copy_(tensor.reshape(output.shape))
     return None
 
 
-def reduce_scatter_tensor(output: torch.Tensor, tensor: torch.Tensor, op=ReduceOp.SUM, group=None,
+def reduce_scatter_single(output: torch.Tensor, tensor: torch.Tensor, op=ReduceOp.SUM, group=None,
                           async_op: bool = False, **_profiling):
+    """Reduce `tensor` over `group` and leave this rank's equal part in `output`.
+
+    Calls torch.distributed's REDUCE_SCATTER_NAME, looked up at each call; alone, `output` is a copy of `tensor`.
+    """
     if is_initialized():
-        return _dist.reduce_scatter_tensor(output, tensor, op, group, async_op)
+        return getattr(_dist, REDUCE_SCATTER_NAME)(output, tensor, op, group, async_op)
     output.copy_(tensor.reshape(output.shape))
     return None
+
+
+all_gather_into_tensor = all_gather_single  # DeepSpeed's and torch 2.11's name
+reduce_scatter_tensor = reduce_scatter_single
 
 
 def all_to_all_single(output: torch.Tensor, tensor: torch.Tensor, output_split_sizes=None, input_split_sizes=None,

@@ -29,6 +29,24 @@ def test_permute_matches_reference_forward_and_backward(S, K, M, E, C, drop, pac
     torch.testing.assert_close(x.grad, x_ref.grad, **FP32)
 
 
+@pytest.mark.slow
+def test_compiled_permute_has_the_eager_gradient():
+    """Under torch.compile the op's output is made out of place: torch 2.11's dynamo gives an
+    autograd.Function's output that was written in place (out=, masked_fill_) a zero gradient."""
+    import torch._dynamo
+
+    row_SK, num_rows = row_layout(9, 2, 4, 3, 0.2, seed=5, packed=False)
+    x = torch.randn(9, 6, device=DEVICE)
+    grads = []
+    for step in (lambda x: permute(x, row_SK, num_rows), torch.compile(lambda x: permute(x, row_SK, num_rows),
+                                                                      backend="eager", fullgraph=True)):
+        leaf = x.clone().requires_grad_()
+        step(leaf).square().sum().backward()
+        grads.append(leaf.grad)
+    torch._dynamo.reset()
+    assert bool(grads[0].abs().sum() > 0)
+    torch.testing.assert_close(grads[1], grads[0], **FP32)
+
 
 def test_empty_rows_are_zero_and_results_deterministic(kernel_backend):
     row_SK, num_rows = row_layout(10, 2, 4, 6, 0.0, seed=2, packed=False)

@@ -1,8 +1,11 @@
 """`parallel.comm`, DeepSpeed's `deepspeed.comm` names: torch.distributed's answers on 2 gloo ranks, and
 a group of one's answers without a process group."""
 
+import warnings
+
 import pytest
 import torch
+import torch.distributed
 
 import parallel.comm as dist
 from tests.distributed import run_distributed
@@ -20,12 +23,27 @@ def test_without_a_process_group_it_answers_for_one_process(monkeypatch):
     out = [torch.empty(4)]
     dist.all_gather(out, t)
     assert torch.equal(out[0], t)
-    flat = torch.empty(4)
-    dist.all_gather_into_tensor(flat, t)
-    assert torch.equal(flat, t)
+    for gather in (dist.all_gather_into_tensor, dist.all_gather_single):
+        flat = torch.empty(4)
+        gather(flat, t)
+        assert torch.equal(flat, t)
+    for reduce_scatter in (dist.reduce_scatter_tensor, dist.reduce_scatter_single):
+        part = torch.empty(4)
+        reduce_scatter(part, t)
+        assert torch.equal(part, t)
     with pytest.raises(ValueError, match=r"all_gather without a process group gathers from one rank: tensor_list must "
                                          r"have 1 entry, got 2"):
         dist.all_gather([torch.empty(4), torch.empty(4)], t)
+
+
+def test_the_single_tensor_collectives_are_the_running_torchs():
+    for name, newer, older in ((dist.ALL_GATHER_NAME, "all_gather_single", "all_gather_into_tensor"),
+                               (dist.REDUCE_SCATTER_NAME, "reduce_scatter_single", "reduce_scatter_tensor")):
+        assert callable(getattr(torch.distributed, name)), name
+        if torch.__version__ >= "2.13":  # the newer names, since the older ones warn there
+            assert name == newer
+        if torch.__version__ < "2.12":  # torch 2.11 has only the older names
+            assert name == older and not hasattr(torch.distributed, newer)
 
 
 def _collectives(rank, world):
@@ -45,6 +63,16 @@ def _collectives(rank, world):
     b = torch.tensor([float(rank)])
     dist.broadcast(b, src=1)
     assert float(b) == 1.0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)  # torch 2.13 deprecates the older names: they must not be called
+        for gather in (dist.all_gather_single, dist.all_gather_into_tensor):
+            flat = torch.empty(2 * world)
+            gather(flat, torch.tensor([float(rank), rank + 0.5]))
+            assert flat.tolist() == [0.0, 0.5, 1.0, 1.5]
+        for reduce_scatter in (dist.reduce_scatter_single, dist.reduce_scatter_tensor):
+            part = torch.empty(1)
+            reduce_scatter(part, torch.tensor([1.0, 2.0]) * (rank + 1))
+            assert part.tolist() == [3.0 * (rank + 1)]  # [1, 2] + [2, 4], one element each
     group = dist.new_group([0, 1])
     assert dist.get_global_rank(group, 1) == 1 and dist.get_world_group() is not None
     dist.barrier()

@@ -1,6 +1,7 @@
 """recipes.estimate: model states (the engine's accounting, memory_breakdown) against the ZeRO formula, activations
 (measured by LiveBytes) growing with the micro-batch."""
 
+import inspect
 import re
 import sys
 import warnings
@@ -113,11 +114,18 @@ def test_the_estimate_runs_without_triton_installed(monkeypatch):
     assert estimate.main(SMALL + ["--micro-batch", "2"]) == without  # the same figures as with Triton
 
 
+def _fully_shard_warns_on_views() -> bool:
+    """Whether the running torch's fully_shard warns when a module returns a view (2.13's does, 2.11's not)."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_state
+
+    return "returned a view tensor" in inspect.getsource(_fsdp_state)
+
+
 @pytest.mark.parametrize("quiet", [True, False])
 def test_stage_3_prints_no_view_warning_for_the_experts(quiet, monkeypatch):
     """fully_shard warns when a module returns a view; the padded experts' [N, M] view of their product is
     only read by the layer, so that warning (printed by every stage-3 process) is silenced, and only it
-    (without the filter, the control, it shows)."""
+    (without the filter, the control, it shows where the running torch warns at all)."""
     from optim import fsdp
 
     if not quiet:
@@ -127,5 +135,5 @@ def test_stage_3_prints_no_view_warning_for_the_experts(quiet, monkeypatch):
         estimate.main(SMALL + ["--stage", "3", "--dtype", "bf16", "--micro-batch", "2"])
         warnings.warn("FSDP2-wrapped module (FSDPBlock) returned a view tensor", UserWarning)
     views = {str(w.message).split(")")[0] for w in caught if "returned a view tensor" in str(w.message)}
-    assert views == ({"FSDP2-wrapped module (FSDPBlock"} if quiet else
-                     {"FSDP2-wrapped module (FSDPBlock", "FSDP2-wrapped module (FSDPExperts"})
+    shown = not quiet and _fully_shard_warns_on_views()
+    assert views == {"FSDP2-wrapped module (FSDPBlock"} | ({"FSDP2-wrapped module (FSDPExperts"} if shown else set())

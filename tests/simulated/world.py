@@ -14,6 +14,7 @@ from recipes.common.simulated import META, simulated_world as _simulated_world
 
 __all__ = ["META", "CollectiveLog", "simulated_world"]
 
+# Both spellings of the single-tensor collectives: each torch has one or both (parallel.comm.ALL_GATHER_NAME).
 COLLECTIVES = ("all_to_all_single", "all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor", "broadcast",
                "all_gather", "reduce_scatter", "all_gather_single", "reduce_scatter_single", "all_to_all", "reduce")
 
