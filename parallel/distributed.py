@@ -1,9 +1,12 @@
 """Distributed initialisation: torchrun's environment, or DeepSpeed's init_method, rank and world_size."""
 
 import _thread
+import atexit
 import datetime
+import gc
 import os
 import signal
+import sys
 import threading
 import time
 
@@ -11,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from parallel.accelerator import accelerator_name
+from parallel.groups import reset_groups
 
 __all__ = ["init_distributed", "local_device"]
 
@@ -83,9 +87,33 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
     if not explicit.get("init_method") and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         explicit = {**_attempt_store(timeout), **explicit}
     dist.init_process_group(backend, timeout=timeout, **explicit)
+    atexit.unregister(_leave_at_exit)  # once, however often a group is made
+    atexit.register(_leave_at_exit)
     if "TORCHELASTIC_RUN_ID" in os.environ:
         _watch_agent()
     return dist.get_rank(), dist.get_world_size()
+
+
+def _leave_at_exit() -> None:
+    """Destroy the process groups at a normal exit, as DeepSpeed scripts never do themselves.
+
+    Groups left to the interpreter's finalisation can abort the process: a gloo worker thread that
+    drops its last collective's tensors then needs the GIL, which a finalising interpreter no longer
+    hands out, and the thread exits inside a C++ destructor (std::terminate, SIGABRT, a failed
+    torchrun). A group's worker threads are joined when its last reference goes: torch's registry
+    lets go in `destroy_process_group`, this package's cache in `reset_groups`, and the collection
+    frees what only reference cycles (a model and its engine) still hold. Groups a script keeps in
+    its own globals live on to finalisation, their workers long idle by then.
+
+    After an uncaught exception (Python has set `sys.last_value`) the groups are left alone: a
+    collective still pending on a peer could hold the failing process until the timeout, where an
+    exit fails fast.
+    """
+    if getattr(sys, "last_value", None) is not None or not dist.is_initialized():
+        return
+    dist.destroy_process_group()
+    reset_groups()
+    gc.collect()
 
 
 def _attempt_store(timeout: datetime.timedelta) -> dict:

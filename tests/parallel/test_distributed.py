@@ -1,7 +1,12 @@
 """`parallel.init_distributed` with DeepSpeed's arguments (`deepspeed.init_distributed`), in one process."""
 
 import datetime
+import os
+import re
 import socket
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch.distributed as dist
@@ -48,3 +53,43 @@ def test_bad_arguments_fail_before_joining(no_torchrun, kwargs, error, match):
     with pytest.raises(error, match=match):
         parallel.init_distributed(**kwargs)
     assert not dist.is_initialized()
+
+
+_EXIT_SCRIPT = textwrap.dedent("""
+    import atexit, os, sys
+    import torch, torch.distributed as dist
+    import parallel
+
+    def threads():
+        return len(os.listdir("/proc/self/task"))
+
+    before = threads()
+    atexit.register(lambda: print("after the exit hooks:", dist.is_initialized(), threads() - before, flush=True))
+    parallel.init_distributed(dist_backend="gloo", init_method="tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    groups = parallel.expert_groups(1)  # cached by the package, as a model's MoE layers make them
+    total = torch.ones(3)
+    dist.all_reduce(total)  # a collective whose tensors a gloo worker thread drops after the main thread goes on
+    dist.all_reduce(total, group=groups.ep_group)
+    cycle = [groups]
+    cycle.append(cycle)  # a reference cycle holding the groups, as a model and its engine do
+    del groups, cycle
+    if sys.argv[1] == "raise":
+        raise RuntimeError("the script failed")
+""")
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc (Linux)")
+@pytest.mark.parametrize("ending, destroyed", [("return", True), ("raise", False)])
+def test_groups_the_script_never_destroys_are_destroyed_at_a_normal_exit_only(no_torchrun, ending, destroyed):
+    """DeepSpeed scripts never call destroy_process_group; gloo groups left to the interpreter's
+    finalisation can abort the process (SIGABRT) as their worker threads drop their last tensors. The
+    exit hook destroys them first, the package's cached expert groups and groups held in reference
+    cycles included: no worker thread is left. After an uncaught exception they are left alone, so a
+    collective still pending on a peer cannot hold the failing process until the timeout."""
+    done = subprocess.run([sys.executable, "-c", _EXIT_SCRIPT.format(port=_port()), ending], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == (0 if destroyed else 1), done.stderr[-2000:]
+    left = re.search(r"after the exit hooks: (True|False) (\d+)", done.stdout)
+    assert left, done.stdout + done.stderr[-2000:]
+    assert left.group(1) == str(not destroyed)
+    assert (int(left.group(2)) == 0) == destroyed, done.stdout  # the gloo workers joined, or still there
