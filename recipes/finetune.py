@@ -27,7 +27,6 @@ import time
 from dataclasses import asdict, dataclass, field
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -35,7 +34,9 @@ from moe import split_params_into_different_moe_groups_for_optimizer
 from moe.hf import DEEPSEEK_V3_BIAS_UPDATE_SPEED, HFMoEBlock, convert, restore
 from optim import ConfigTypeError, initialize
 from parallel import init_distributed
-from recipes.common.cli import engine_config, fail, flag_parser, given_flags, require_at_least, require_positive
+from recipes.common.cli import (adamw_cosine_fragments, engine_config, fail, flag_parser, given_flags, require_at_least,
+                                require_positive)
+from recipes.common.runner import one_line_failures
 from recipes.common.training import Progress, SetupError
 from recipes.gpt import load_text, windows
 
@@ -68,21 +69,8 @@ class FinetuneConfig:
 
 
 def engine_fragments(cfg: FinetuneConfig) -> dict[str, dict]:
-    """Which engine-config entries each flag sets."""
-    return {
-        "batch_size": {"train_micro_batch_size_per_gpu": cfg.batch_size},
-        "optimizer": {"optimizer": {"type": "AdamW", "params": {"betas": [0.9, 0.95]}}},  # no flag's: defaults
-        "lr": {"optimizer": {"params": {"lr": cfg.lr}}},
-        "weight_decay": {"optimizer": {"params": {"weight_decay": cfg.weight_decay}}},
-        "scheduler": {"scheduler": {"type": "WarmupCosineLR"}},  # no flag's: a default
-        "steps": {"scheduler": {"params": {"total_num_steps": cfg.steps}}},
-        "warmup_steps": {"scheduler": {"params": {"warmup_num_steps": cfg.warmup_steps}}},
-        "gradient_clipping": {"gradient_clipping": cfg.gradient_clipping},
-        "dtype": {"bf16": {"enabled": cfg.dtype == "bf16"}},
-        "stage": {"zero_optimization": {"stage": cfg.stage}},
-        "run_name": {"tensorboard": {"enabled": True, "output_path": cfg.log_dir, "job_name": cfg.run_name}},
-        "steps_per_print": {"steps_per_print": 10**9},
-    }
+    """Which engine-config entries each flag sets: the GPT recipe's AdamW and warm-up cosine."""
+    return adamw_cosine_fragments(cfg)
 
 
 class CausalLM(nn.Module):
@@ -217,17 +205,8 @@ def main(argv: list[str] | None = None) -> dict:
     check(parser, cfg, world)
     if rank == 0:
         print("config:", asdict(cfg), f"processes={world}", flush=True)
-    try:
+    with one_line_failures(parser):
         result = train(cfg, given, rank, world)
-        if dist.is_initialized():
-            dist.barrier()  # no rank tears its group down while a peer's last exchange is in flight
-    except SetupError as error:
-        fail(parser, str(error))
-    except FloatingPointError as error:  # the engine's non-finite guard: one line, exit status 1
-        parser.exit(1, f"{parser.prog}: stopped: {error}\n")
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
     return result
 
 

@@ -32,9 +32,9 @@ from moe import split_params_into_different_moe_groups_for_optimizer
 from optim import CheckpointError, ConfigTypeError, initialize, read_client_state
 from optim.graphs import GraphedStep
 from recipes.common import runner
-from recipes.common.cli import (built, engine_config, fail, flag_names, flag_parser, keep_last_field, noisy_gate_policy,
-                                noisy_gate_policy_field, require_at_least, require_positive, resume_field, saved_recipe,
-                                start_over_field)
+from recipes.common.cli import (adamw_cosine_fragments, built, engine_config, fail, flag_names, flag_parser,
+                                keep_last_field, noisy_gate_policy, noisy_gate_policy_field, require_at_least,
+                                require_positive, resume_field, saved_recipe, start_over_field)
 from recipes.common.training import Progress, SetupError, all_sum, prune_checkpoints, resumed_line
 from recipes.gpt_model import GPT, GPTConfig
 
@@ -124,22 +124,9 @@ def model_config(cfg: TrainConfig) -> GPTConfig:
 
 def engine_fragments(cfg: TrainConfig) -> dict[str, dict]:
     """Which engine-config entries each flag sets."""
-    return {
-        "batch_size": {"train_micro_batch_size_per_gpu": cfg.batch_size},
-        "gradient_accumulation_steps": {"gradient_accumulation_steps": cfg.gradient_accumulation_steps},
-        "optimizer": {"optimizer": {"type": "AdamW", "params": {"betas": [0.9, 0.95]}}},  # no flag's: defaults
-        "lr": {"optimizer": {"params": {"lr": cfg.lr}}},
-        "weight_decay": {"optimizer": {"params": {"weight_decay": cfg.weight_decay}}},
-        "scheduler": {"scheduler": {"type": "WarmupCosineLR"}},  # no flag's: a default
-        "steps": {"scheduler": {"params": {"total_num_steps": cfg.steps}}},
-        "warmup_steps": {"scheduler": {"params": {"warmup_num_steps": cfg.warmup_steps}}},
-        "min_lr_ratio": {"scheduler": {"params": {"cos_min_ratio": cfg.min_lr_ratio}}},
-        "gradient_clipping": {"gradient_clipping": cfg.gradient_clipping},
-        "dtype": {"bf16": {"enabled": cfg.dtype == "bf16"}, "fp16": {"enabled": cfg.dtype == "fp16"}},
-        "stage": {"zero_optimization": {"stage": cfg.stage}},
-        "run_name": {"tensorboard": {"enabled": True, "output_path": cfg.log_dir, "job_name": cfg.run_name}},
-        "steps_per_print": {"steps_per_print": 10**9},
-    }
+    return {**adamw_cosine_fragments(cfg),
+            "gradient_accumulation_steps": {"gradient_accumulation_steps": cfg.gradient_accumulation_steps},
+            "min_lr_ratio": {"scheduler": {"params": {"cos_min_ratio": cfg.min_lr_ratio}}}}
 
 
 # Data.

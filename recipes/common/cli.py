@@ -295,6 +295,29 @@ def _warn_if_lr_overridden(config: dict, fragment: dict) -> None:
                   f"its own rates ({rate}, ...): --lr does not change the run's learning rate", stacklevel=3)
 
 
+def adamw_cosine_fragments(cfg) -> dict[str, dict]:
+    """The engine-config entries of a language-model recipe, keyed by the flag that sets each: AdamW
+    (betas 0.9, 0.95), warm-up then cosine decay, clipping, precision, ZeRO stage, TensorBoard.
+
+    `cfg` has batch_size, lr, weight_decay, steps, warmup_steps, gradient_clipping, dtype, stage,
+    log_dir and run_name.
+    """
+    return {
+        "batch_size": {"train_micro_batch_size_per_gpu": cfg.batch_size},
+        "optimizer": {"optimizer": {"type": "AdamW", "params": {"betas": [0.9, 0.95]}}},  # no flag's: defaults
+        "lr": {"optimizer": {"params": {"lr": cfg.lr}}},
+        "weight_decay": {"optimizer": {"params": {"weight_decay": cfg.weight_decay}}},
+        "scheduler": {"scheduler": {"type": "WarmupCosineLR"}},  # no flag's: a default
+        "steps": {"scheduler": {"params": {"total_num_steps": cfg.steps}}},
+        "warmup_steps": {"scheduler": {"params": {"warmup_num_steps": cfg.warmup_steps}}},
+        "gradient_clipping": {"gradient_clipping": cfg.gradient_clipping},
+        "dtype": {"bf16": {"enabled": cfg.dtype == "bf16"}, "fp16": {"enabled": cfg.dtype == "fp16"}},
+        "stage": {"zero_optimization": {"stage": cfg.stage}},
+        "run_name": {"tensorboard": {"enabled": True, "output_path": cfg.log_dir, "job_name": cfg.run_name}},
+        "steps_per_print": {"steps_per_print": 10**9},
+    }
+
+
 def engine_config(fragments: dict[str, dict], given: set[str], json_path: str) -> dict:
     """The engine config: flag defaults, then the JSON file, then the flags written on the command line.
 

@@ -8,6 +8,7 @@ turns a bad setting into one line on stderr (exit status 2) and a non-finite los
 """
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -86,21 +87,31 @@ def main(recipe: Recipe, argv: list[str] | None = None) -> dict:
     cfg, given = checked_config(recipe, parser, argv, world)
     if rank == 0:
         print("config:", json.dumps(asdict(cfg)), f"processes={world}", flush=True)
-    claimed = False
-    try:
+    with one_line_failures(parser):
         claimed = claim_for_run(cfg.checkpoint_dir, rank)  # one writer per checkpoint folder
-        if claimed:
-            mark_started(cfg.checkpoint_dir)  # a torchrun restart of this job continues it
-        result = recipe.train(cfg, given, rank, world)
+        try:
+            if claimed:
+                mark_started(cfg.checkpoint_dir)  # a torchrun restart of this job continues it
+            result = recipe.train(cfg, given, rank, world)
+        finally:
+            if claimed:
+                release_checkpoint_dir(cfg.checkpoint_dir)
+    return result
+
+
+@contextlib.contextmanager
+def one_line_failures(parser: argparse.ArgumentParser):
+    """Run a recipe's body: a bad setting (SetupError) ends it with one line (exit status 2), a
+    non-finite loss (the engine's guard) with one line (exit status 1); after a body that finished,
+    the ranks meet before any tears its group down, and the group is destroyed whatever happened."""
+    try:
+        yield
         if dist.is_initialized():
             dist.barrier()  # no rank tears its group down while a peer's last exchange is in flight
     except SetupError as error:
         fail(parser, str(error))
-    except FloatingPointError as error:  # the engine's non-finite guard: one line, exit status 1
+    except FloatingPointError as error:
         parser.exit(1, f"{parser.prog}: stopped: {error}\n")
     finally:
-        if claimed:
-            release_checkpoint_dir(cfg.checkpoint_dir)
         if dist.is_initialized():
             dist.destroy_process_group()
-    return result
