@@ -30,7 +30,8 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
     The group is the one torchrun describes (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), or the one
     `init_method` names (a "tcp://host:port" or "file://path" URL) with `rank` and `world_size`.
     Without either this is a one-process run and nothing is initialised. Already initialised:
-    nothing changes.
+    nothing changes. A group made here is destroyed at the process's normal exit, so a script that
+    never calls `destroy_process_group` (DeepSpeed's never do) ends cleanly.
 
     Args:
         dist_backend: "nccl" or "gloo"; default nccl on CUDA, else gloo (see `accelerator_name`).
