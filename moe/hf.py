@@ -20,8 +20,11 @@ the k largest logits, which is the softmax over all experts renormalised over th
 The converted block returns what the original does (the hidden states; GPT-OSS's also each token's k
 routing weights); our `l_aux`, `z_loss` and routing statistics stay on the layer (`block.moe`).
 transformers records router logits by hooking its own router class, which a converted block no longer
-holds: use `l_aux` instead of `output_router_logits`.
+holds: `l_aux` replaces `output_router_logits`. A config that sets it is set to False (restore sets it
+back), and a forward asking for it fails with the reason.
 """
+
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -90,6 +93,7 @@ class HFMoEBlock(nn.Module):
         self.block_class = block_class
         self.config = config
         self.model_type = model_type
+        self.router_hooks: list[tuple] = []  # the original router's forward hooks, for restore
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         output, _, _ = self.moe(hidden_states)
@@ -239,7 +243,9 @@ def convert(model: nn.Module, ep_size: int = 1, expert_layout: str = "auto", bia
         **kwargs: further `moe.MoE` keywords (load_balancing_type, exchange, ...).
 
     Returns:
-        the model, its blocks replaced by `HFMoEBlock`s.
+        the model, its blocks replaced by `HFMoEBlock`s. A config with `output_router_logits` set is set
+        to False (with a warning) until `restore`, and a forward passing `output_router_logits=True`
+        raises ValueError: each layer's `l_aux` replaces transformers' load-balancing loss.
 
     Raises:
         ValueError: the model's architecture is not supported; a bias_update_speed for a model without an
@@ -250,9 +256,42 @@ def convert(model: nn.Module, ep_size: int = 1, expert_layout: str = "auto", bia
     for name, block in blocks:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name)
-        setattr(parent, child, _build(block, model_type, model.config, ep_size, expert_layout, bias_update_speed,
-                                      **kwargs))
+        adapter = _build(block, model_type, model.config, ep_size, expert_layout, bias_update_speed, **kwargs)
+        adapter.router_hooks = _forward_hooks(_router(block))
+        setattr(parent, child, adapter)
+    _replace_router_logits(model)
     return model
+
+
+def _forward_hooks(module: nn.Module) -> list[tuple]:
+    """The module's forward hooks as (hook, with_kwargs, always_call): transformers records router
+    logits by such hooks on its router modules, installed at the model's first forward."""
+    return [(hook, key in module._forward_hooks_with_kwargs, key in module._forward_hooks_always_called)
+            for key, hook in module._forward_hooks.items()]
+
+
+def _replace_router_logits(model: nn.Module) -> None:
+    """Our `l_aux` replaces transformers' `output_router_logits`, whose load-balancing loss reads logits
+    recorded from the original router modules (none are left, and the loss would fail on an empty
+    tuple): a config asking for them is set to False, with a warning, until `restore`; a forward asking
+    for them fails with the reason."""
+    if getattr(model.config, "output_router_logits", False):
+        warnings.warn("the model's config sets output_router_logits, whose load-balancing loss reads the logits of "
+                      "transformers' own router modules, which convert replaces: set to False until restore; each "
+                      "converted layer's l_aux (block.moe) is the balancing loss to add", stacklevel=3)
+        model.config.output_router_logits = False
+        model._hf_output_router_logits = True
+    if not getattr(model, "_hf_refuses_router_logits", False):  # one hook, however often converted
+        model.register_forward_pre_hook(_refuse_router_logits, with_kwargs=True)
+        model._hf_refuses_router_logits = True
+
+
+def _refuse_router_logits(module: nn.Module, args: tuple, kwargs: dict) -> None:
+    """A forward pre-hook: output_router_logits=True fails while the model holds converted blocks."""
+    if kwargs.get("output_router_logits") and any(isinstance(m, HFMoEBlock) for m in module.modules()):
+        raise ValueError("output_router_logits=True: transformers computes that loss from the logits of its own "
+                         "router modules, which a converted model no longer has; add each converted layer's l_aux "
+                         "(block.moe) instead, or restore the model first")
 
 
 def _gathered(local: torch.Tensor, moe: MoE) -> torch.Tensor:
@@ -288,6 +327,8 @@ def _original(adapter: HFMoEBlock) -> nn.Module:
     reference = tensors[0]["down_proj.weight"]
     block = adapter.block_class(adapter.config).to(device=reference.device, dtype=reference.dtype)
     router, gate = _router(block), moe.deepspeed_moe.gate
+    for hook, with_kwargs, always_call in adapter.router_hooks:
+        router.register_forward_hook(hook, with_kwargs=with_kwargs, always_call=always_call)
     with torch.no_grad():
         for name, local in _stacked(tensors, adapter.model_type).items():
             getattr(block.experts, name).copy_(_gathered(local, moe))
@@ -325,4 +366,7 @@ def restore(model: nn.Module) -> nn.Module:
     for name, adapter in adapters:
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name), child, _original(adapter))
+    if getattr(model, "_hf_output_router_logits", False):
+        model.config.output_router_logits = True
+        model._hf_output_router_logits = False
     return model

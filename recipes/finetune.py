@@ -22,6 +22,7 @@ rank 0 loads them into a one-process converted copy of the model, puts the origi
 """
 
 import os
+import re
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -87,11 +88,21 @@ class CausalLM(nn.Module):
         return logits, l_aux
 
 
+# a hub model's name: "name" or "namespace/name" (what is neither a folder nor this fails before loading)
+_HUB_NAME = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
+
+
 def load_model(cfg: FinetuneConfig):
     """The transformers model and its tokenizer (None when the folder has none)."""
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(cfg.hf, dtype=torch.float32)
+    try:
+        model = transformers.AutoModelForCausalLM.from_pretrained(cfg.hf, dtype=torch.float32)
+    except OSError as error:
+        if os.path.isdir(cfg.hf):
+            raise
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise OSError(f"--hf {cfg.hf} is no folder here, and the hub did not give it: {first}") from None
     tokenizer = None
     if not os.path.isdir(cfg.hf) or any(os.path.isfile(os.path.join(cfg.hf, name)) for name in _TOKENIZER_FILES):
         try:
@@ -143,6 +154,9 @@ def train(cfg: FinetuneConfig, given: set[str], rank: int, world: int) -> dict:
         tokens = tokens_of(load_text(cfg.data), tokenizer, vocab)
         if len(tokens) <= cfg.seq_len + 1:
             raise ValueError(f"the data ({len(tokens)} tokens) is too small for --seq-len {cfg.seq_len}")
+        if "bias_update_speed" in given and cfg.bias_update_speed and model.config.model_type != "deepseek_v3":
+            raise ValueError(f"--bias-update-speed {cfg.bias_update_speed} moves an expert bias, which only "
+                             f"deepseek_v3 models have; this one is {model.config.model_type}: leave the flag out")
         wrapped = converted(model, cfg, cfg.ep_world_size).train()
         groups = split_params_into_different_moe_groups_for_optimizer(
             {"params": list(wrapped.parameters()), "name": "dense"})
@@ -182,6 +196,10 @@ def check(parser, cfg: FinetuneConfig, world: int) -> None:
     """The flags' checks; one line on error."""
     if not cfg.hf:
         fail(parser, "--hf is needed: a transformers MoE model's folder (save_pretrained's) or hub name")
+    if os.path.isfile(cfg.hf):
+        fail(parser, f"--hf {cfg.hf} is a file: give the folder save_pretrained wrote, or a hub name")
+    if not os.path.isdir(cfg.hf) and not _HUB_NAME.fullmatch(cfg.hf):
+        fail(parser, f"--hf {cfg.hf} is no folder here, nor a hub name (name or namespace/name)")
     require_at_least(parser, cfg, ("steps", "batch_size", "seq_len", "log_interval", "ep_world_size"))
     require_at_least(parser, cfg, ("warmup_steps", "bias_update_speed"), 0)
     require_positive(parser, cfg, ("lr",))

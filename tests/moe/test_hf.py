@@ -172,6 +172,29 @@ def test_unsupported_model_is_refused():
         convert(transformers.AutoModelForCausalLM.from_config(config))
 
 
+@pytest.mark.parametrize("name", ARCHITECTURES)
+def test_output_router_logits_is_replaced_by_l_aux_and_refused_in_a_forward(name):
+    """transformers' load-balancing loss reads logits recorded from its own router modules, which a
+    converted model no longer has: a config asking for it converts (warned, set to False until restore,
+    the same logits), a forward asking for it fails with the reason, and the restored model has both back."""
+    model = _model(name)
+    model.config.output_router_logits = True
+    ids = _ids()
+    expected = model(ids).logits
+    with pytest.warns(UserWarning, match="config sets output_router_logits.*set to False until restore"):
+        converted = convert(copy.deepcopy(model))
+    assert converted.config.output_router_logits is False
+    out = converted(ids, labels=ids)
+    torch.testing.assert_close(out.logits, expected, **FP32)
+    assert out.loss.isfinite()
+    with pytest.raises(ValueError, match="output_router_logits=True: transformers computes that loss from the logits "
+                                         "of its own router modules"):
+        converted(ids, output_router_logits=True)
+    restored = restore(converted)
+    assert restored.config.output_router_logits is True
+    torch.testing.assert_close(restored(ids, output_router_logits=True).logits, expected, **FP32)
+
+
 def test_a_bias_update_speed_for_a_model_without_an_expert_bias_is_refused():
     with pytest.raises(ValueError, match=r"bias_update_speed \(0.001\) moves an expert bias, which of the "
                                          r"supported architectures only deepseek_v3 has; mixtral has none"):

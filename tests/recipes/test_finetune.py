@@ -65,6 +65,41 @@ def test_finetune_with_a_negative_bias_update_speed_stops_with_one_line(capsys):
     assert capsys.readouterr().err.strip() == "recipes.finetune: error: --bias-update-speed must be 0 or more, got -0.1"
 
 
+@pytest.mark.parametrize("where, message", [
+    ("config.json", "is a file: give the folder save_pretrained wrote, or a hub name"),
+    ("missing", "is no folder here, nor a hub name (name or namespace/name)"),
+])
+def test_finetune_with_an_hf_path_that_is_no_model_folder_stops_with_one_line(tmp_path, capsys, where, message):
+    (tmp_path / "config.json").write_text("{}")
+    path = str(tmp_path / where)
+    with pytest.raises(SystemExit) as stopped:
+        finetune.main(["--hf", path])
+    assert stopped.value.code == 2
+    assert capsys.readouterr().err.strip() == f"recipes.finetune: error: --hf {path} {message}"
+
+
+def test_finetune_with_a_bias_update_speed_for_a_model_without_an_expert_bias_stops_with_one_line(tmp_path, capsys):
+    _saved_mixtral(tmp_path / "tiny")
+    with pytest.raises(SystemExit) as stopped:
+        finetune.main(["--hf", str(tmp_path / "tiny"), "--bias-update-speed", "0.5"])
+    assert stopped.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "recipes.finetune: error: --bias-update-speed 0.5 moves an expert bias, which only deepseek_v3 models "
+        "have; this one is mixtral: leave the flag out")
+
+
+def test_finetune_of_a_model_whose_config_asks_for_router_logits_trains_and_saves_the_flag_back(tmp_path):
+    """Fine-tuning configs often set output_router_logits; our l_aux replaces transformers' loss."""
+    torch.manual_seed(0)
+    config = transformers.MixtralConfig(**TINY, output_router_logits=True)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "tiny")
+    with pytest.warns(UserWarning, match="output_router_logits"):
+        result = finetune.main(["--hf", str(tmp_path / "tiny"), "--steps", "2", "--seq-len", "16",
+                                "--log-dir", str(tmp_path / "runs"), "--out", str(tmp_path / "out")])
+    assert len(result["losses"]) == 2
+    assert transformers.AutoConfig.from_pretrained(tmp_path / "out").output_router_logits is True
+
+
 def _torchrun(folder, stage: int):
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                "-m", "recipes.finetune", "--hf", str(folder / "tiny"), "--steps", "4", "--seq-len", "16",
