@@ -265,33 +265,46 @@ def convert(model: nn.Module, ep_size: int = 1, expert_layout: str = "auto", bia
 
 def _forward_hooks(module: nn.Module) -> list[tuple]:
     """The module's forward hooks as (hook, with_kwargs, always_call): transformers records router
-    logits by such hooks on its router modules, installed at the model's first forward."""
+    logits by such hooks on its router modules, installed at the model's first forward that records
+    an output."""
     return [(hook, key in module._forward_hooks_with_kwargs, key in module._forward_hooks_always_called)
             for key, hook in module._forward_hooks.items()]
 
 
 def _replace_router_logits(model: nn.Module) -> None:
-    """Our `l_aux` replaces transformers' `output_router_logits`, whose load-balancing loss reads logits
-    recorded from the original router modules (none are left, and the loss would fail on an empty
-    tuple): a config asking for them is set to False, with a warning, until `restore`; a forward asking
-    for them fails with the reason."""
+    """Our `l_aux` replaces transformers' `output_router_logits`: transformers records router logits,
+    for its load-balancing loss, from its own router modules, and a converted model has none (the loss
+    would fail on an empty tuple). A config asking for them is set to False, with a warning, until
+    `restore`; a forward of the model, or of a transformers model inside it, that asks for them (by
+    keyword, or by a config set after convert) fails with the reason."""
     if getattr(model.config, "output_router_logits", False):
         warnings.warn("the model's config sets output_router_logits, whose load-balancing loss reads the logits of "
                       "transformers' own router modules, which convert replaces: set to False until restore; each "
                       "converted layer's l_aux (block.moe) is the balancing loss to add", stacklevel=3)
         model.config.output_router_logits = False
         model._hf_output_router_logits = True
-    if not getattr(model, "_hf_refuses_router_logits", False):  # one hook, however often converted
-        model.register_forward_pre_hook(_refuse_router_logits, with_kwargs=True)
-        model._hf_refuses_router_logits = True
+    for module in [model, *_transformers_models(model)]:
+        if not getattr(module, "_hf_refuses_router_logits", False):  # one hook, however often converted
+            module.register_forward_pre_hook(_refuse_router_logits, with_kwargs=True)
+            module._hf_refuses_router_logits = True
+
+
+def _transformers_models(model: nn.Module) -> list[nn.Module]:
+    """The transformers models inside `model` (a causal LM's base model)."""
+    from transformers import PreTrainedModel
+
+    return [m for m in model.modules() if m is not model and isinstance(m, PreTrainedModel)]
 
 
 def _refuse_router_logits(module: nn.Module, args: tuple, kwargs: dict) -> None:
-    """A forward pre-hook: output_router_logits=True fails while the model holds converted blocks."""
-    if kwargs.get("output_router_logits") and any(isinstance(m, HFMoEBlock) for m in module.modules()):
-        raise ValueError("output_router_logits=True: transformers computes that loss from the logits of its own "
-                         "router modules, which a converted model no longer has; add each converted layer's l_aux "
-                         "(block.moe) instead, or restore the model first")
+    """A forward pre-hook: asking for router logits fails while the model holds converted blocks."""
+    asked = kwargs.get("output_router_logits")
+    if asked is None:
+        asked = getattr(getattr(module, "config", None), "output_router_logits", False)
+    if asked and any(isinstance(m, HFMoEBlock) for m in module.modules()):
+        raise ValueError("output_router_logits=True: transformers records router logits, for its load-balancing "
+                         "loss, from its own router modules, which a converted model no longer has; add each "
+                         "converted layer's l_aux (block.moe) instead, or restore the model first")
 
 
 def _gathered(local: torch.Tensor, moe: MoE) -> torch.Tensor:

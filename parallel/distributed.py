@@ -108,13 +108,22 @@ def _leave_at_exit() -> None:
 
     After an uncaught exception (Python has set `sys.last_value`) the groups are left alone: a
     collective still pending on a peer could hold the failing process until the timeout, where an
-    exit fails fast.
+    exit fails fast. A failure that leaves by `sys.exit` looks like a normal exit, so the destroy runs
+    in a daemon thread the exit waits on for at most `_EXIT_DESTROY_S` seconds.
     """
-    if getattr(sys, "last_value", None) is not None or not dist.is_initialized():
+    if getattr(sys, "last_value", None) is not None:
         return
-    dist.destroy_process_group()
+    if dist.is_initialized():
+        destroy = threading.Thread(target=dist.destroy_process_group, name="destroy-process-groups", daemon=True)
+        destroy.start()
+        destroy.join(_EXIT_DESTROY_S)
+        if destroy.is_alive():  # a collective still pending: exit as a group left alone would
+            return
     reset_groups()
     gc.collect()
+
+
+_EXIT_DESTROY_S = 10.0  # the longest a normal exit waits for the process groups' destroy
 
 
 def _attempt_store(timeout: datetime.timedelta) -> dict:

@@ -89,7 +89,26 @@ class CausalLM(nn.Module):
 
 
 # a hub model's name: "name" or "namespace/name" (what is neither a folder nor this fails before loading)
-_HUB_NAME = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
+_HUB_NAME = re.compile(r"\w[\w.-]*(/\w[\w.-]*)?", re.ASCII)
+
+
+def _model_config(cfg: FinetuneConfig):
+    """The model's transformers config (read before the weights)."""
+    import transformers
+
+    try:
+        return transformers.AutoConfig.from_pretrained(cfg.hf)
+    except OSError as error:
+        raise _not_found(cfg, error) from None
+
+
+def _not_found(cfg: FinetuneConfig, error: OSError) -> OSError:
+    """The error for a model that could not be read: as it is for a local folder; for a hub name, one
+    line naming the value."""
+    if os.path.isdir(cfg.hf):
+        return error
+    first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    return OSError(f"--hf {cfg.hf} is no folder here, and the hub did not give it: {first}")
 
 
 def load_model(cfg: FinetuneConfig):
@@ -99,10 +118,7 @@ def load_model(cfg: FinetuneConfig):
     try:
         model = transformers.AutoModelForCausalLM.from_pretrained(cfg.hf, dtype=torch.float32)
     except OSError as error:
-        if os.path.isdir(cfg.hf):
-            raise
-        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise OSError(f"--hf {cfg.hf} is no folder here, and the hub did not give it: {first}") from None
+        raise _not_found(cfg, error) from None
     tokenizer = None
     if not os.path.isdir(cfg.hf) or any(os.path.isfile(os.path.join(cfg.hf, name)) for name in _TOKENIZER_FILES):
         try:
@@ -149,14 +165,15 @@ def train_batch(tokens: torch.Tensor, cfg: FinetuneConfig, step: int, rank: int)
 def train(cfg: FinetuneConfig, given: set[str], rank: int, world: int) -> dict:
     torch.manual_seed(cfg.seed)
     try:  # a bad model, data or engine setting stops with one line
+        model_type = getattr(_model_config(cfg), "model_type", None)
+        if "bias_update_speed" in given and cfg.bias_update_speed and model_type != "deepseek_v3":
+            raise ValueError(f"--bias-update-speed {cfg.bias_update_speed} moves an expert bias, which only "
+                             f"deepseek_v3 models have; this one is {model_type}: leave the flag out")
         model, tokenizer = load_model(cfg)
         vocab = model.config.vocab_size
         tokens = tokens_of(load_text(cfg.data), tokenizer, vocab)
         if len(tokens) <= cfg.seq_len + 1:
             raise ValueError(f"the data ({len(tokens)} tokens) is too small for --seq-len {cfg.seq_len}")
-        if "bias_update_speed" in given and cfg.bias_update_speed and model.config.model_type != "deepseek_v3":
-            raise ValueError(f"--bias-update-speed {cfg.bias_update_speed} moves an expert bias, which only "
-                             f"deepseek_v3 models have; this one is {model.config.model_type}: leave the flag out")
         wrapped = converted(model, cfg, cfg.ep_world_size).train()
         groups = split_params_into_different_moe_groups_for_optimizer(
             {"params": list(wrapped.parameters()), "name": "dense"})

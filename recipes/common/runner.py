@@ -87,23 +87,26 @@ def main(recipe: Recipe, argv: list[str] | None = None) -> dict:
     cfg, given = checked_config(recipe, parser, argv, world)
     if rank == 0:
         print("config:", json.dumps(asdict(cfg)), f"processes={world}", flush=True)
-    with one_line_failures(parser):
+    claimed = False
+
+    def release():
+        if claimed:
+            release_checkpoint_dir(cfg.checkpoint_dir)
+
+    with one_line_failures(parser, release):
         claimed = claim_for_run(cfg.checkpoint_dir, rank)  # one writer per checkpoint folder
-        try:
-            if claimed:
-                mark_started(cfg.checkpoint_dir)  # a torchrun restart of this job continues it
-            result = recipe.train(cfg, given, rank, world)
-        finally:
-            if claimed:
-                release_checkpoint_dir(cfg.checkpoint_dir)
+        if claimed:
+            mark_started(cfg.checkpoint_dir)  # a torchrun restart of this job continues it
+        result = recipe.train(cfg, given, rank, world)
     return result
 
 
 @contextlib.contextmanager
-def one_line_failures(parser: argparse.ArgumentParser):
+def one_line_failures(parser: argparse.ArgumentParser, cleanup: Callable[[], None] | None = None):
     """Run a recipe's body: a bad setting (SetupError) ends it with one line (exit status 2), a
-    non-finite loss (the engine's guard) with one line (exit status 1); after a body that finished,
-    the ranks meet before any tears its group down, and the group is destroyed whatever happened."""
+    non-finite loss (the engine's guard) with one line (exit status 1). After a body that finished,
+    the ranks meet before any tears its group down; then, whatever happened, `cleanup` runs and the
+    group is destroyed."""
     try:
         yield
         if dist.is_initialized():
@@ -113,5 +116,9 @@ def one_line_failures(parser: argparse.ArgumentParser):
     except FloatingPointError as error:
         parser.exit(1, f"{parser.prog}: stopped: {error}\n")
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        try:
+            if cleanup is not None:
+                cleanup()
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()

@@ -187,9 +187,15 @@ def test_output_router_logits_is_replaced_by_l_aux_and_refused_in_a_forward(name
     out = converted(ids, labels=ids)
     torch.testing.assert_close(out.logits, expected, **FP32)
     assert out.loss.isfinite()
-    with pytest.raises(ValueError, match="output_router_logits=True: transformers computes that loss from the logits "
-                                         "of its own router modules"):
+    refused = "output_router_logits=True: transformers records router logits, for its load-balancing loss"
+    with pytest.raises(ValueError, match=refused):
         converted(ids, output_router_logits=True)
+    with pytest.raises(ValueError, match=refused):  # the base model inside
+        converted.model(ids, output_router_logits=True)
+    converted.config.output_router_logits = True  # set after convert
+    with pytest.raises(ValueError, match=refused):
+        converted(ids)
+    converted.config.output_router_logits = False
     restored = restore(converted)
     assert restored.config.output_router_logits is True
     torch.testing.assert_close(restored(ids, output_router_logits=True).logits, expected, **FP32)

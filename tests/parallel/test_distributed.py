@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 import parallel
 
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 def _port():
     with socket.socket() as s:
@@ -87,9 +88,45 @@ def test_groups_the_script_never_destroys_are_destroyed_at_a_normal_exit_only(no
     cycles included: no worker thread is left. After an uncaught exception they are left alone, so a
     collective still pending on a peer cannot hold the failing process until the timeout."""
     done = subprocess.run([sys.executable, "-c", _EXIT_SCRIPT.format(port=_port()), ending], capture_output=True,
-                          text=True, timeout=120)
+                          text=True, timeout=120, cwd=ROOT)
     assert done.returncode == (0 if destroyed else 1), done.stderr[-2000:]
     left = re.search(r"after the exit hooks: (True|False) (\d+)", done.stdout)
     assert left, done.stdout + done.stderr[-2000:]
     assert left.group(1) == str(not destroyed)
     assert (int(left.group(2)) == 0) == destroyed, done.stdout  # the gloo workers joined, or still there
+
+
+_PENDING_SCRIPT = textwrap.dedent("""
+    import atexit, sys, time
+    import torch, torch.distributed as dist
+    import parallel, parallel.distributed
+
+    parallel.distributed._EXIT_DESTROY_S = 2.0
+    left = [0.0]
+    atexit.register(lambda: print(f"exit hooks took {{time.time() - left[0]:.1f}} s", flush=True))
+    rank = int(sys.argv[1])
+    parallel.init_distributed(dist_backend="gloo", init_method="tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    if rank == 1:
+        time.sleep(60)  # never joins rank 0's collective
+    work = dist.all_reduce(torch.ones(3), async_op=True)
+    left[0] = time.time()
+    sys.exit(1)  # a failure that leaves as an exit, its collective still pending
+""")
+
+
+@pytest.mark.slow
+def test_an_exit_with_a_collective_still_pending_waits_for_the_destroy_a_bounded_time(no_torchrun):
+    """sys.exit looks like a normal exit to the hook, whose destroy would wait for the pending
+    collective until the group's timeout: the exit gives up on it after _EXIT_DESTROY_S."""
+    script = _PENDING_SCRIPT.format(port=_port())
+    silent = subprocess.Popen([sys.executable, "-c", script, "1"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                              cwd=ROOT)
+    try:
+        done = subprocess.run([sys.executable, "-c", script, "0"], capture_output=True, text=True, timeout=120,
+                              cwd=ROOT)
+    finally:
+        silent.kill()
+        silent.wait()
+    assert done.returncode == 1, done.stderr[-2000:]
+    took = re.search(r"exit hooks took ([0-9.]+) s", done.stdout)
+    assert took and 1.5 <= float(took.group(1)) < 10.0, done.stdout + done.stderr[-2000:]
