@@ -111,12 +111,13 @@ def _not_found(cfg: FinetuneConfig, error: OSError) -> OSError:
     return OSError(f"--hf {cfg.hf} is no folder here, and the hub did not give it: {first}")
 
 
-def load_model(cfg: FinetuneConfig):
-    """The transformers model and its tokenizer (None when the folder has none)."""
+def load_model(cfg: FinetuneConfig, config):
+    """The transformers model of `config` (`_model_config`'s) and its tokenizer (None when the folder
+    has none)."""
     import transformers
 
     try:
-        model = transformers.AutoModelForCausalLM.from_pretrained(cfg.hf, dtype=torch.float32)
+        model = transformers.AutoModelForCausalLM.from_pretrained(cfg.hf, config=config, dtype=torch.float32)
     except OSError as error:
         raise _not_found(cfg, error) from None
     tokenizer = None
@@ -165,11 +166,12 @@ def train_batch(tokens: torch.Tensor, cfg: FinetuneConfig, step: int, rank: int)
 def train(cfg: FinetuneConfig, given: set[str], rank: int, world: int) -> dict:
     torch.manual_seed(cfg.seed)
     try:  # a bad model, data or engine setting stops with one line
-        model_type = getattr(_model_config(cfg), "model_type", None)
+        config = _model_config(cfg)  # read once: the bias flag is checked before the weights load
+        model_type = getattr(config, "model_type", None)
         if "bias_update_speed" in given and cfg.bias_update_speed and model_type != "deepseek_v3":
             raise ValueError(f"--bias-update-speed {cfg.bias_update_speed} moves an expert bias, which only "
                              f"deepseek_v3 models have; this one is {model_type}: leave the flag out")
-        model, tokenizer = load_model(cfg)
+        model, tokenizer = load_model(cfg, config)
         vocab = model.config.vocab_size
         tokens = tokens_of(load_text(cfg.data), tokenizer, vocab)
         if len(tokens) <= cfg.seq_len + 1:
